@@ -1,0 +1,146 @@
+"""The one module that knows the array libraries (numpy, torch, cupy).
+
+Everything else in gradcomm works on flat, contiguous buffers with numpy-compatible
+storage dtypes (``bfloat16`` is carried as ``uint16``). Here arrays become such buffers and
+go back. A library is only consulted if it is already in ``sys.modules``, so inspecting a
+numpy array never imports torch or cupy.
+
+Example:
+    >>> import numpy as np
+    >>> buf, meta = to_flat(np.arange(6, dtype=np.float32).reshape(2, 3))
+    >>> buf.shape, meta.dtype, meta.shape
+    ((6,), 'float32', (2, 3))
+    >>> from_flat(buf * 2, meta).tolist()
+    [[0.0, 2.0, 4.0], [6.0, 8.0, 10.0]]
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ._dtypes import STORAGE
+from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Meta:
+    """What is needed to turn a flat buffer back into the user's kind of array."""
+
+    kind: str            # "numpy" | "torch" | "cupy"
+    dtype: str           # logical dtype name, e.g. "bfloat16"
+    shape: tuple[int, ...]
+    device: str = "cpu"  # "cpu" or e.g. "cuda:0"
+
+    @property
+    def count(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+def kind(x: Any) -> str:
+    """'numpy', 'torch' or 'cupy'; ConfigError for anything else."""
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        return "torch"
+    cupy = sys.modules.get("cupy")
+    if cupy is not None and isinstance(x, cupy.ndarray):
+        return "cupy"
+    raise ConfigError(f"expected a numpy array, torch tensor or cupy array, got "
+                      f"{type(x).__module__}.{type(x).__qualname__}")
+
+
+def _torch_dtype_name(t: Any) -> str:
+    name = str(t.dtype).removeprefix("torch.")
+    if name == "bool":
+        return "bool"
+    if name not in STORAGE:
+        raise ConfigError(f"unsupported torch dtype {t.dtype}")
+    return name
+
+
+def meta_of(x: Any) -> Meta:
+    """Describe ``x`` without copying it."""
+    k = kind(x)
+    if k == "numpy":
+        name = x.dtype.name
+        if name not in STORAGE:
+            raise ConfigError(f"unsupported dtype {x.dtype}; supported: {', '.join(STORAGE)}")
+        return Meta(k, name, tuple(x.shape))
+    if k == "torch":
+        return Meta(k, _torch_dtype_name(x), tuple(x.shape), str(x.device))
+    return Meta(k, x.dtype.name, tuple(x.shape), f"cuda:{x.device.id}")
+
+
+def host_view(x: Any) -> np.ndarray:
+    """A flat numpy view of a contiguous CPU array (no copy), bfloat16 as uint16.
+
+    Raises ConfigError if ``x`` is not contiguous or not in host memory.
+    """
+    k = kind(x)
+    if k == "torch":
+        if x.device.type != "cpu":
+            raise ConfigError(f"host_view needs a CPU tensor, got device {x.device}")
+        if not x.is_contiguous():
+            raise ConfigError("host_view needs a contiguous tensor")
+        t = x.detach()
+        if _torch_dtype_name(t) == "bfloat16":
+            import torch
+
+            return t.view(torch.int16).numpy().view(np.uint16).reshape(-1)
+        return t.numpy().reshape(-1)
+    if k == "cupy":
+        raise ConfigError("host_view needs host memory, got a cupy array")
+    if not x.flags.c_contiguous:
+        raise ConfigError("host_view needs a C-contiguous array")
+    return x.reshape(-1)
+
+
+def to_flat(x: Any) -> tuple[np.ndarray, Meta]:
+    """A fresh flat host copy of ``x`` in its storage dtype, and its :class:`Meta`.
+
+    ``x`` itself is never modified or aliased.
+    """
+    meta = meta_of(x)
+    k = meta.kind
+    if k == "numpy":
+        return np.array(x, order="C", copy=True).reshape(-1), meta
+    if k == "torch":
+        t = x.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()                       # device -> host copy is already fresh
+            return host_view(t.contiguous()), meta
+        if not t.is_contiguous():
+            return host_view(t.contiguous()), meta   # .contiguous() copied
+        return host_view(t).copy(), meta
+    import cupy
+
+    return cupy.asnumpy(x).reshape(-1).copy(), meta
+
+
+def from_flat(buf: np.ndarray, meta: Meta) -> Any:
+    """Wrap a flat storage buffer (taken over, not copied on the host) as ``meta`` says."""
+    if meta.kind == "numpy":
+        return buf.reshape(meta.shape)
+    if meta.kind == "torch":
+        import torch
+
+        if meta.dtype == "bfloat16":
+            t = torch.from_numpy(buf.view(np.int16)).view(torch.bfloat16)
+        else:
+            t = torch.from_numpy(buf)
+        t = t.reshape(meta.shape)
+        return t if meta.device == "cpu" else t.to(meta.device)
+    import cupy
+
+    with cupy.cuda.Device(int(meta.device.split(":")[1])):
+        return cupy.asarray(buf).reshape(meta.shape)
+
+
+def empty(meta: Meta) -> Any:
+    """A new uninitialised array of the kind, dtype, shape and device ``meta`` describes."""
+    return from_flat(np.empty(meta.count, STORAGE[meta.dtype]), meta)

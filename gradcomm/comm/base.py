@@ -1,0 +1,180 @@
+"""The transport interface every collective is written against.
+
+A transport moves flat, contiguous buffers between ranks. Collectives only ever call
+``isend``/``irecv``/``waitall`` (and the conveniences built on them here), so the same
+algorithm runs over MPI, torch.distributed or in-process threads.
+
+Example:
+    >>> from gradcomm.comm import run_ranks
+    >>> import numpy as np
+    >>> def fn(t):
+    ...     out = np.empty(1, np.int64)
+    ...     t.sendrecv(np.array([t.rank]), (t.rank + 1) % t.size, out, (t.rank - 1) % t.size)
+    ...     return int(out[0])
+    >>> run_ranks(3, fn)
+    [2, 0, 1]
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+from ..errors import ConfigError, DeadlineError, TransportError
+
+#: default deadline of one blocking wait, seconds
+DEFAULT_TIMEOUT = 120.0
+
+# Tags below TAG_USER are the library's; each subsystem has its own so that their messages
+# can never match each other's. Collectives are issued in the same order on every rank, and
+# messages between a pair with one tag are non-overtaking, so one tag per subsystem suffices.
+TAG_CHECK = 1
+TAG_BARRIER = 2
+TAG_DATA = 3
+TAG_SIZES = 4
+TAG_GOSSIP = 5
+TAG_USER = 100
+
+
+class Request(Protocol):
+    """A pending send or receive; ``test()`` is True once complete."""
+
+    def test(self) -> bool: ...
+
+
+@dataclass
+class Stats:
+    """Bytes and messages this rank sent and received since the last ``reset()``."""
+
+    bytes_sent: int = 0
+    messages_sent: int = 0
+    bytes_received: int = 0
+    messages_received: int = 0
+
+    def reset(self) -> None:
+        self.bytes_sent = self.messages_sent = 0
+        self.bytes_received = self.messages_received = 0
+
+    def snapshot(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+class Transport(ABC):
+    """Point-to-point message passing between ``size`` ranks.
+
+    Subclasses implement ``_isend``, ``_irecv`` and ``waitall``. Buffers are contiguous
+    1-D arrays (numpy on the host; device arrays where the transport says it can).
+    A receive must be posted with exactly the size of the matching send.
+    """
+
+    rank: int
+    size: int
+    timeout: float
+    #: array devices this transport moves without staging: {"cpu"} or {"cpu", "cuda"}
+    devices: frozenset[str] = frozenset({"cpu"})
+    #: short name used in messages and benchmarks ("threads", "mpi", "torch")
+    name: str = "transport"
+
+    def __init__(self, rank: int, size: int, timeout: float = DEFAULT_TIMEOUT) -> None:
+        if timeout <= 0:
+            raise ConfigError(f"timeout must be > 0 seconds, got {timeout}")
+        self.rank, self.size, self.timeout = rank, size, float(timeout)
+        self.stats = Stats()
+
+    # -- to implement -------------------------------------------------------------------
+    @abstractmethod
+    def _isend(self, buf: Any, dest: int, tag: int) -> Request: ...
+
+    @abstractmethod
+    def _irecv(self, buf: Any, source: int, tag: int) -> Request: ...
+
+    @abstractmethod
+    def waitall(self, requests: Sequence[Request], timeout: float | None = None) -> None:
+        """Block until every request completes; ``DeadlineError`` after ``timeout``."""
+
+    def native_allreduce(self, buf: Any, op: str, dtype: str) -> None:
+        """The underlying library's own allreduce, in place on ``buf``.
+
+        ``dtype`` is the logical dtype; ``op`` one of sum/max/min/prod.
+        """
+        from ..errors import UnsupportedError
+
+        raise UnsupportedError(f"the {self.name} transport has no native allreduce")
+
+    # -- the interface collectives use ---------------------------------------------------
+    def isend(self, buf: Any, dest: int, tag: int = TAG_DATA) -> Request:
+        """Start sending ``buf`` to ``dest``; ``buf`` must not change until completion."""
+        self._peer(dest)
+        self.stats.bytes_sent += buf.nbytes
+        self.stats.messages_sent += 1
+        return self._isend(buf, dest, tag)
+
+    def irecv(self, buf: Any, source: int, tag: int = TAG_DATA) -> Request:
+        """Start receiving into ``buf`` (exactly its size) from ``source``."""
+        self._peer(source)
+        self.stats.bytes_received += buf.nbytes
+        self.stats.messages_received += 1
+        return self._irecv(buf, source, tag)
+
+    def send(self, buf: Any, dest: int, tag: int = TAG_DATA) -> None:
+        self.waitall([self.isend(buf, dest, tag)])
+
+    def recv(self, buf: Any, source: int, tag: int = TAG_DATA) -> None:
+        self.waitall([self.irecv(buf, source, tag)])
+
+    def sendrecv(self, sendbuf: Any, dest: int, recvbuf: Any, source: int,
+                 tag: int = TAG_DATA) -> None:
+        """Send to ``dest`` while receiving from ``source`` (deadlock-free pairing)."""
+        r = self.irecv(recvbuf, source, tag)
+        s = self.isend(sendbuf, dest, tag)
+        self.waitall([r, s])
+
+    def barrier(self) -> None:
+        """Dissemination barrier: ceil(log2 p) rounds of 1-byte messages."""
+        import numpy as np
+
+        token, sink = np.zeros(1, np.uint8), np.empty(1, np.uint8)
+        dist = 1
+        while dist < self.size:
+            self.sendrecv(token, (self.rank + dist) % self.size, sink,
+                          (self.rank - dist) % self.size, TAG_BARRIER)
+            dist *= 2
+
+    def close(self) -> None:
+        """Release resources (private communicators, ...). Idempotent."""
+
+    # -- helpers for subclasses -----------------------------------------------------------
+    def _peer(self, peer: int) -> None:
+        if not 0 <= peer < self.size or peer == self.rank:
+            raise TransportError(f"rank {self.rank}: invalid peer {peer} (size {self.size})")
+
+    def _deadline(self, timeout: float | None) -> float:
+        return time.monotonic() + (self.timeout if timeout is None else timeout)
+
+    def _expired(self, what: str) -> DeadlineError:
+        return DeadlineError(
+            f"rank {self.rank}/{self.size} ({self.name}): {what} did not complete within "
+            f"{self.timeout:g} s; a peer did not join, failed, or called a different "
+            "collective")
+
+
+def poll(requests: Sequence[Request], deadline: float, on_expiry: Any) -> None:
+    """Spin, then back off, until every request tests complete or ``deadline`` passes.
+
+    ``on_expiry()`` returns the exception to raise. Spinning for the first ~200 µs keeps
+    latency low for small messages; later sleeps keep an idle rank off the CPU.
+    """
+    pending = [r for r in requests if not r.test()]
+    spins, pause = 0, 0.0
+    while pending:
+        pending = [r for r in pending if not r.test()]
+        if not pending:
+            return
+        spins += 1
+        if spins > 200:
+            if time.monotonic() > deadline:
+                raise on_expiry()
+            pause = min(max(pause * 2, 1e-5), 1e-3)
+            time.sleep(pause)

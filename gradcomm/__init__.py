@@ -16,7 +16,7 @@ import importlib
 from typing import Any
 
 from . import comm, compressors, errors
-from ._allreduce import allreduce
+from ._allreduce import allreduce, allreduce_
 from .errors import GradcommError
 
 __version__ = "0.1.0"
@@ -34,5 +34,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'gradcomm' has no attribute {name!r}")
 
 
-__all__ = ["Allreduce", "GradcommError", "allreduce", "comm", "compressors", "errors",
+__all__ = ["Allreduce", "GradcommError", "allreduce", "allreduce_", "comm", "compressors", "errors",
            "gossip_average", "sparse_allgather", "__version__"]

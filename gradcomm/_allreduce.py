@@ -53,3 +53,25 @@ def allreduce(x: Any, comm: Any = None, *, op: str = "sum", algorithm: str = "au
         buf = compressed_allreduce(t, buf, meta.dtype, op=op, algorithm=algorithm,
                                    compressor=compressor, check=check, **options)
     return _array.from_flat(buf, meta)
+
+
+def allreduce_(x: Any, comm: Any = None, **kwargs: Any) -> Any:
+    """In-place :func:`allreduce`: the result is written into ``x``, which is returned.
+
+    Takes the same arguments. ``x`` must be writable; a non-contiguous ``x`` is updated
+    through its strides.
+
+    Example:
+        >>> import numpy as np
+        >>> from gradcomm.comm import run_ranks
+        >>> def fn(t):
+        ...     x = np.ones(2); allreduce_(x, t); return x.tolist()
+        >>> run_ranks(2, fn)[0]
+        [2.0, 2.0]
+    """
+    y = allreduce(x, comm, **kwargs)
+    if _array.kind(x) == "numpy":
+        x[...] = y
+    else:
+        x.copy_(y) if _array.kind(x) == "torch" else x.__setitem__(Ellipsis, y)
+    return x

@@ -4,6 +4,8 @@
    each even rank sends its buffer to the odd one above it and sits out.
 2. The remaining 2^k ranks exchange whole buffers with the partner at distance 1, 2, 4...,
    each time combining (lower rank's data first, so partners compute identical bytes).
+   On a lossy wire each partner first rounds its own partial through the codec
+   (``final``), so both combine the same decoded values.
 3. Ranks that sat out receive the result.
 
 Few rounds and no splitting make it the choice for small messages (latency-bound).
@@ -24,43 +26,43 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from ..comm.base import TAG_DATA, Transport
 from ._reduce import Reducer
+from ._wire import DenseWire, Wire
 
 
-def allreduce(t: Transport, buf: Any, red: Reducer, *, tag: int = TAG_DATA) -> None:
+def allreduce(t: Transport, buf: Any, red: Reducer, *, tag: int = TAG_DATA,
+              wire: Wire | None = None) -> None:
     """Allreduce ``buf`` (flat, contiguous) in place across all ranks of ``t``."""
-    p, rank = t.size, t.rank
-    if p == 1 or buf.size == 0:
+    p, rank, n = t.size, t.rank, buf.size
+    if p == 1 or n == 0:
         return
+    w = wire or DenseWire(red)
     pof2 = 1 << (p.bit_length() - 1)
     rem = p - pof2
-    tmp = np.empty_like(buf)
     if rank < 2 * rem:                      # step 1: fold the extra ranks in
         if rank % 2 == 0:
-            t.send(buf, rank + 1, tag)
-            vrank = -1
+            t.send(w.encode(buf), rank + 1, tag)
         else:
+            tmp = w.partial_buffer(n, buf)
             t.recv(tmp, rank - 1, tag)
-            red.combine(tmp, buf, buf)
-            vrank = rank // 2
-    else:
-        vrank = rank - rem
+            w.reduce(tmp, buf, True)
+    vrank = -1 if rank < 2 * rem and rank % 2 == 0 else (rank // 2 if rank < 2 * rem
+                                                          else rank - rem)
     if vrank >= 0:                          # step 2: butterfly among 2^k ranks
         mask = 1
         while mask < pof2:
             vpeer = vrank ^ mask
             peer = vpeer * 2 + 1 if vpeer < rem else vpeer + rem
-            t.sendrecv(buf, peer, tmp, peer, tag)
-            if peer < rank:
-                red.combine(tmp, buf, buf)
-            else:
-                red.combine(buf, tmp, buf)
+            tmp = w.partial_buffer(n, buf)
+            t.sendrecv(w.final(buf), peer, tmp, peer, tag)
+            w.reduce(tmp, buf, peer < rank)
             mask <<= 1
+        out = w.final(buf)                  # every participant rounds the same result
     if rank < 2 * rem:                      # step 3: hand the result back
         if rank % 2 == 0:
-            t.recv(buf, rank + 1, tag)
+            landing = w.final_buffer(n, buf)
+            t.recv(landing, rank + 1, tag)
+            w.place(landing, buf)
         else:
-            t.send(buf, rank - 1, tag)
+            t.send(out, rank - 1, tag)

@@ -1,0 +1,84 @@
+"""What a dense algorithm puts on the wire for a segment, and how it folds it back in.
+
+Ring, tree, recursive doubling and Rabenseifner are written once against a ``Wire``:
+:class:`DenseWire` sends raw values (and receives the allgather phase straight into
+place, with no copy); a compressed wire (``gradcomm.collectives.compressed``) sends codec
+payloads and decodes-adds-re-encodes at each hop. The operations:
+
+- ``partial_buffer(n, like)``: a buffer to receive a peer's encoded *partial* segment of
+  ``n`` elements (its size must follow from ``n`` alone: receivers post exact sizes);
+- ``encode(seg)``: the buffer to send for a partial segment;
+- ``reduce(recv, seg, recv_first)``: ``seg = decode(recv) (op) seg`` (the reverse order if
+  not ``recv_first``); callers pass ``recv_first`` = "the peer is the lower rank", so
+  every rank evaluates the same expression;
+- ``final(seg)``: the buffer to send for a *finished* segment; a lossy wire also replaces
+  ``seg`` by ``decode(encode(seg))`` so sender and receivers hold the same bytes. It must
+  be deterministic: equal ``seg`` on two ranks gives equal bytes;
+- ``final_buffer(n, seg)``: where to receive a finished segment (dense: ``seg`` itself,
+  so the allgather phase copies nothing);
+- ``place(recv, seg)``: ``seg = decode(recv)`` (a no-op when ``recv is seg``).
+
+Example:
+    >>> import numpy as np
+    >>> from gradcomm.collectives._reduce import Reducer
+    >>> w = DenseWire(Reducer("sum", "float32"))
+    >>> seg = np.ones(2, np.float32); w.reduce(np.ones(2, np.float32), seg, True); seg
+    array([2., 2.], dtype=float32)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+
+from ._reduce import Reducer
+
+
+class Wire(Protocol):
+    def partial_buffer(self, n: int, like: Any) -> Any: ...
+    def encode(self, seg: Any) -> Any: ...
+    def reduce(self, recv: Any, seg: Any, recv_first: bool) -> None: ...
+    def final(self, seg: Any) -> Any: ...
+    def final_buffer(self, n: int, seg: Any) -> Any: ...
+    def place(self, recv: Any, seg: Any) -> None: ...
+
+
+class DenseWire:
+    """Raw values on the wire; reduction with a :class:`Reducer`.
+
+    ``partial_buffer`` hands out slices of one scratch allocation, grown on demand, so a
+    collective allocates once however many steps it takes (callers must be done with one
+    partial buffer before asking for the next, or ask for ``slot=1`` for a second one).
+    """
+
+    lossy = False
+
+    def __init__(self, red: Reducer) -> None:
+        self.red = red
+        self._scratch: list[Any] = [None, None]
+
+    def partial_buffer(self, n: int, like: Any, slot: int = 0) -> Any:
+        s = self._scratch[slot]
+        if s is None or s.size < n or s.dtype != like.dtype:
+            s = self._scratch[slot] = np.empty_like(like, shape=max(n, 1))
+        return s[:n]
+
+    def encode(self, seg: Any) -> Any:
+        return seg
+
+    def reduce(self, recv: Any, seg: Any, recv_first: bool) -> None:
+        if recv_first:
+            self.red.combine(recv, seg, seg)
+        else:
+            self.red.combine(seg, recv, seg)
+
+    def final(self, seg: Any) -> Any:
+        return seg
+
+    def final_buffer(self, n: int, seg: Any) -> Any:
+        return seg
+
+    def place(self, recv: Any, seg: Any) -> None:
+        if recv is not seg:
+            seg[...] = recv

@@ -5,8 +5,11 @@ Ring, tree, recursive doubling and Rabenseifner are written once against a ``Wir
 place, with no copy); a compressed wire (``gradcomm.collectives.compressed``) sends codec
 payloads and decodes-adds-re-encodes at each hop. The operations:
 
-- ``partial_buffer(n, like)``: a buffer to receive a peer's encoded *partial* segment of
-  ``n`` elements (its size must follow from ``n`` alone: receivers post exact sizes);
+- ``partial_buffer(n, like, slot=0)``: a buffer to receive a peer's encoded *partial*
+  segment of ``n`` elements (its size must follow from ``n`` alone: receivers post exact
+  sizes). It may be reused scratch: the caller is done with it before asking for the same
+  ``slot`` again; pipelined algorithms (ring, tree) alternate ``slot`` 0 and 1, so two may
+  be live at once;
 - ``encode(seg)``: the buffer to send for a partial segment;
 - ``reduce(recv, seg, recv_first)``: ``seg = decode(recv) (op) seg`` (the reverse order if
   not ``recv_first``); callers pass ``recv_first`` = "the peer is the lower rank", so
@@ -15,8 +18,16 @@ payloads and decodes-adds-re-encodes at each hop. The operations:
   ``seg`` by ``decode(encode(seg))`` so sender and receivers hold the same bytes. It must
   be deterministic: equal ``seg`` on two ranks gives equal bytes;
 - ``final_buffer(n, seg)``: where to receive a finished segment (dense: ``seg`` itself,
-  so the allgather phase copies nothing);
+  so the allgather phase copies nothing); ring and tree forward what they received,
+  unchanged, to the next rank, so every rank decodes the very bytes the owner produced.
+  It must therefore stay intact until that send completes (``seg`` itself or a fresh
+  buffer per call, never shared scratch);
 - ``place(recv, seg)``: ``seg = decode(recv)`` (a no-op when ``recv is seg``).
+
+Buffers returned by ``encode`` and ``final`` are sent asynchronously and must stay intact
+until the send completes; ring and tree keep several in flight, so a lossy wire returns a
+fresh buffer per call. Algorithms never call these for empty segments (nothing is sent),
+and each algorithm's chunking depends on the element count only.
 
 Example:
     >>> import numpy as np
@@ -36,7 +47,7 @@ from ._reduce import Reducer
 
 
 class Wire(Protocol):
-    def partial_buffer(self, n: int, like: Any) -> Any: ...
+    def partial_buffer(self, n: int, like: Any, slot: int = 0) -> Any: ...
     def encode(self, seg: Any) -> Any: ...
     def reduce(self, recv: Any, seg: Any, recv_first: bool) -> None: ...
     def final(self, seg: Any) -> Any: ...

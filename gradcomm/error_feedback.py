@@ -1,0 +1,187 @@
+"""Error feedback: the compression error of one step is added back into the next.
+
+For every ``key`` (usually a parameter name) :class:`ErrorFeedback` keeps a residual ``e``:
+the value compressed is ``e + g`` and afterwards ``e ← (e + g) − decoded``, so what the
+codec dropped is sent later instead of being lost (1-bit SGD, EF-SGD, DGC). Over ``T``
+steps this telescopes: ``Σ decoded + e_T = Σ g``. Collectives that re-compress partial
+sums at every hop keep one more residual per hop under ``"<key>#<hop>"`` in the same
+object, and a step counter per key (it seeds the stochastic codecs).
+
+Everything is held as plain numpy arrays and ints, so :meth:`ErrorFeedback.state_dict`
+saves with ``numpy.savez`` (no pickle) or ``torch.save`` (load it with
+``torch.load(path, weights_only=False)`` or inside
+``torch.serialization.safe_globals(torch_safe_globals())``), and
+:meth:`ErrorFeedback.load_state_dict` restores a continuation bitwise equal to never
+having stopped.
+
+Example:
+    >>> import numpy as np
+    >>> ef = ErrorFeedback()
+    >>> g = np.array([0.25, 1.0], np.float32)
+    >>> x = ef.compensate("w", g.copy())            # e + g (e starts at 0)
+    >>> decoded = np.round(x)                        # a toy lossy codec
+    >>> ef.update("w", x, decoded); ef.residual("w", 2, np.float32).tolist()
+    [0.25, 0.0]
+    >>> ef2 = ErrorFeedback(); ef2.load_state_dict(ef.state_dict())
+    >>> ef2.residual("w", 2, np.float32).tolist()
+    [0.25, 0.0]
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Iterator, Mapping
+
+import numpy as np
+
+from .errors import ConfigError
+
+#: format version of :meth:`ErrorFeedback.state_dict`
+STATE_VERSION = 1
+_RES, _STEP, _VER = "residual/", "step/", "gradcomm_error_feedback_version"
+#: separator between a key and the hop of a per-hop residual
+HOP_SEP = "#"
+
+
+class ResidualResetWarning(UserWarning):
+    """A stored residual no longer fits its key (shape or dtype changed) and was zeroed."""
+
+
+class ErrorFeedback:
+    """Residuals per key and step counters, checkpointable as plain arrays and ints.
+
+    ``enabled=False`` keeps only the step counters (the compressed values are then sent
+    without compensation); :meth:`compensate` and :meth:`update` become no-ops.
+    """
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = bool(enabled)
+        self._residuals: dict[str, np.ndarray] = {}
+        self._steps: dict[str, int] = {}
+
+    # -- residuals ----------------------------------------------------------------------
+    def residual(self, name: str, n: int, dtype: Any) -> np.ndarray:
+        """The residual ``name`` as a flat array of ``n`` elements of ``dtype``.
+
+        Created as zeros on first use. A stored residual of another length or dtype (the
+        parameter was resized, the algorithm or rank count changed) is reset to zeros with
+        a :class:`ResidualResetWarning`.
+        """
+        dt = np.dtype(dtype)
+        e = self._residuals.get(name)
+        if e is not None and (e.shape != (n,) or e.dtype != dt):
+            warnings.warn(f"error-feedback residual {name!r} held {e.size} x {e.dtype} but "
+                          f"{n} x {dt} is needed now; it was reset to zeros",
+                          ResidualResetWarning, stacklevel=3)
+            e = None
+        if e is None:
+            e = self._residuals[name] = np.zeros(n, dt)
+        return e
+
+    def compensate(self, name: str, x: np.ndarray) -> np.ndarray:
+        """``x += e`` in place (flat ``x``) and return ``x``; no-op when disabled."""
+        if self.enabled:
+            x += self.residual(name, x.size, x.dtype)
+        return x
+
+    def update(self, name: str, x: np.ndarray, decoded: np.ndarray) -> None:
+        """``e ← x − decoded`` where ``x`` is what was compressed (from :meth:`compensate`)."""
+        if self.enabled:
+            np.subtract(x, decoded, out=self.residual(name, x.size, x.dtype))
+
+    def reset(self, key: str | None = None) -> None:
+        """Forget the residuals (and steps) of ``key`` and its hops, or of every key."""
+        if key is None:
+            self._residuals.clear()
+            self._steps.clear()
+            return
+        for name in [n for n in self._residuals if n == key or
+                     n.startswith(key + HOP_SEP)]:
+            del self._residuals[name]
+        self._steps.pop(key, None)
+
+    def names(self) -> Iterator[str]:
+        """Names of the stored residuals (keys and ``key#hop`` entries)."""
+        return iter(sorted(self._residuals))
+
+    def residuals_of(self, key: str) -> list[np.ndarray]:
+        """The residual of ``key`` and those of its hops (in name order)."""
+        return [self._residuals[n] for n in sorted(self._residuals)
+                if n == key or n.startswith(key + HOP_SEP)]
+
+    # -- steps --------------------------------------------------------------------------
+    def step(self, key: str) -> int:
+        """How many times ``key`` was reduced so far (seeds the stochastic codecs)."""
+        return self._steps.get(key, 0)
+
+    def advance(self, key: str) -> None:
+        """Count one more reduction of ``key``."""
+        self._steps[key] = self._steps.get(key, 0) + 1
+
+    # -- checkpointing ------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """A flat ``{name: ndarray | int}`` copy of every residual and step counter.
+
+        Names are ``"residual/<key>"`` and ``"step/<key>"`` plus a version entry, so the
+        dict passes straight to ``numpy.savez(path, **sd)``.
+        """
+        sd: dict[str, Any] = {_VER: STATE_VERSION}
+        for name, e in self._residuals.items():
+            sd[_RES + name] = e.copy()
+        for key, s in self._steps.items():
+            sd[_STEP + key] = int(s)
+        return sd
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore from :meth:`state_dict` output (also as loaded back by ``numpy.load``).
+
+        Raises ConfigError for a state of another format or version.
+        """
+        try:
+            version = int(np.asarray(state[_VER]))
+        except (KeyError, TypeError, ValueError):
+            raise ConfigError("not an ErrorFeedback state dict (no "
+                              f"{_VER!r} entry)") from None
+        if version != STATE_VERSION:
+            raise ConfigError(f"ErrorFeedback state version {version}, this gradcomm "
+                              f"reads {STATE_VERSION}")
+        residuals: dict[str, np.ndarray] = {}
+        steps: dict[str, int] = {}
+        for name in state:
+            value = state[name]
+            if name.startswith(_RES):
+                arr = np.array(value, copy=True)
+                if arr.ndim != 1 or arr.dtype.kind != "f":
+                    raise ConfigError(f"residual {name!r}: expected a flat float array, "
+                                      f"got shape {arr.shape} dtype {arr.dtype}")
+                residuals[name[len(_RES):]] = arr
+            elif name.startswith(_STEP):
+                s = np.asarray(value)
+                if s.ndim != 0 or s.dtype.kind not in "iu" or int(s) < 0:
+                    raise ConfigError(f"step {name!r}: expected an int >= 0, got {value!r}")
+                steps[name[len(_STEP):]] = int(s)
+            elif name != _VER:
+                raise ConfigError(f"unexpected entry {name!r} in an ErrorFeedback state")
+        self._residuals, self._steps = residuals, steps
+
+    def __repr__(self) -> str:
+        return (f"ErrorFeedback(enabled={self.enabled}, residuals={len(self._residuals)}, "
+                f"keys={len(self._steps)})")
+
+
+def torch_safe_globals() -> list[Any]:
+    """The numpy globals ``torch.load(weights_only=True)`` must allow to read a state.
+
+    Example:
+        >>> len(torch_safe_globals()) >= 3
+        True
+    """
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # numpy < 2
+        from numpy.core.multiarray import _reconstruct  # type: ignore[no-redef]
+    dtypes = [type(np.dtype(c)) for c in ("float16", "float32", "float64")]
+    return [_reconstruct, np.ndarray, np.dtype, *dtypes]
+
+
+__all__ = ["ErrorFeedback", "ResidualResetWarning", "STATE_VERSION", "torch_safe_globals"]

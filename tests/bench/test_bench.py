@@ -1,0 +1,272 @@
+"""The microbenchmark CLI: in-process ranks, real mpirun, bare launch, rows/JSON schema.
+
+Tiny sweeps (a few sizes, 2 iterations): these test that the benchmark measures what it
+says and checks results, not the performance figures.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gradcomm.bench import cli, launch, report
+from gradcomm.bench.cli import main
+from gradcomm.bench.sweep import LARGE, Plan, Row, Variant, iterations, sweep
+from gradcomm.collectives import DENSE
+from gradcomm.comm import run_ranks
+from gradcomm.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ["--sizes", "4,4K,96K", "--iters", "2", "--warmup", "1", "--no-progress"]
+ROW_KEYS = {"size", "count", "dtype", "op", "algorithm", "compressor", "check", "label",
+            "iters", "warmup", "avg_us", "min_us", "max_us", "p50_us", "p95_us", "algbw_gbs",
+            "busbw_gbs", "wire_bytes", "messages", "rel_err", "wrong", "note", "extra"}
+ENV_KEYS = {"ranks", "transport", "launcher", "hostname", "date", "versions", "cpus",
+            "loadavg_start", "loadavg_end"}
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1",
+               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    for k in launch.MPI_ENV + ("RANK", "WORLD_SIZE"):
+        env.pop(k, None)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+def _run(cmd: list[str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(),
+                          cwd=ROOT)
+
+
+def _mpiexec() -> str:
+    path = launch.find_mpiexec()
+    assert path, "mpiexec and mpi4py are part of the test environment"
+    return path
+
+
+def _check_doc(doc: dict, ranks: int, transport: str, n_sizes: int) -> list[dict]:
+    assert doc["schema"] == 1
+    assert ENV_KEYS <= set(doc["environment"])
+    assert doc["environment"]["ranks"] == ranks
+    assert doc["environment"]["transport"] == transport
+    rows = doc["rows"]
+    assert len(rows) == n_sizes * len(doc["config"]["variants"])
+    for r in rows:
+        assert set(r) == ROW_KEYS
+        assert r["note"] == "", r
+        assert r["wrong"] == 0, r
+        assert r["count"] * 4 == r["size"]
+        assert r["min_us"] <= r["avg_us"] <= r["max_us"]
+        assert 0 < r["p50_us"] <= r["p95_us"]
+        assert r["busbw_gbs"] == pytest.approx(r["algbw_gbs"] * 2 * (ranks - 1) / ranks)
+    return rows
+
+
+@pytest.mark.timeout(60)
+def test_threads_sweep_rows_json_and_summary(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert main(["--transport", "threads", "--np", "3", *TINY, "--no-check",
+                 "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    rows = _check_doc(doc, 3, "threads", 3)
+    algos = [a for a in DENSE if a in cli.available_algorithms()]
+    assert {r["algorithm"] for r in rows} == set(algos)
+    assert {r["check"] for r in rows if r["algorithm"] != "native"} == {True, False}
+    for r in rows:
+        if r["algorithm"] != "native":
+            assert r["wire_bytes"] >= r["size"] * 2 * 2 / 3 - 1   # >= the ring's bytes
+    table = [ln for ln in text.splitlines() if ln and not ln.startswith("#")]
+    assert len(table) == len(rows)
+    assert text.count("# summary:") == 1 and "#wrong 0" in text
+    assert doc["summary"]["wrong"] == 0 and doc["summary"]["latency"]["size"] == 4096
+
+
+@pytest.mark.timeout(60)
+def test_mpirun_two_ranks_with_baseline(tmp_path):
+    out = tmp_path / "m.json"
+    p = _run([_mpiexec(), "-n", "2", "--oversubscribe", sys.executable, "-m",
+              "gradcomm.bench", *TINY, "--json", str(out)])
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(out.read_text())
+    rows = _check_doc(doc, 2, "mpi", 3)
+    assert doc["environment"]["launcher"] == "mpiexec"
+    assert "mpi4py" in doc["environment"]["versions"]
+    base = [r for r in rows if r["algorithm"] == "MPI_Allreduce"]
+    assert len(base) == 3 and all(r["check"] is None and r["wire_bytes"] is None for r in base)
+    assert doc["summary"]["reference"] == "MPI_Allreduce"
+    assert p.stdout.count("# gradcomm.bench") == 1          # only rank 0 prints
+    assert p.stdout.count("# summary:") == 1
+
+
+@pytest.mark.timeout(60)
+def test_bare_command_starts_its_own_mpi_ranks(tmp_path):
+    out = tmp_path / "b.json"
+    p = _run([sys.executable, "-m", "gradcomm.bench", "--sizes", "4K", "--iters", "2",
+              "--warmup", "0", "--algorithms", "recursive_doubling,native",
+              "--dtype", "int32", "--op", "max", "--json", str(out)])
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(out.read_text())
+    assert doc["environment"]["transport"] == "mpi" and doc["environment"]["ranks"] == 2
+    assert [r["algorithm"] for r in doc["rows"]] == ["MPI_Allreduce", "recursive_doubling",
+                                                      "native"]
+    assert all(r["wrong"] == 0 and r["dtype"] == "int32" for r in doc["rows"])
+    assert "\r[" not in p.stderr                             # no progress when piped
+
+
+@pytest.mark.timeout(30)
+def test_bare_without_mpiexec_falls_back_to_threads(monkeypatch, capsys):
+    monkeypatch.setattr(launch, "find_mpiexec", lambda explicit=None: None)
+    for k in launch.MPI_ENV + ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    assert main(["--sizes", "64", "--iters", "1", "--warmup", "0", "--algorithms", "ring"]) == 0
+    text = capsys.readouterr().out
+    assert "in-process ranks (threads) instead" in text and "transport threads" in text
+
+
+def _wrong_baseline_rows(p: int) -> list[Row]:
+    class Unreduced:
+        """A 'library' that returns the input unreduced: every element is wrong."""
+
+        name = "broken"
+
+        def prepare(self, x, dtype, op):
+            return lambda: x
+
+    plan = Plan(sizes=[4096], variants=[Variant("broken", baseline=True),
+                                        Variant("recursive_doubling")], iters=2, warmup=0)
+    return run_ranks(p, lambda t: sweep(t, plan, Unreduced()))[0]
+
+
+@pytest.mark.timeout(30)
+def test_wrong_results_are_counted_on_every_rank():
+    broken, good = _wrong_baseline_rows(2)
+    assert broken.wrong == 2 * 1024 - np.count_nonzero(   # elements where input == sum
+        _same_as_sum(2, 1024)) and good.wrong == 0
+
+
+def _same_as_sum(p: int, n: int) -> np.ndarray:
+    from gradcomm.bench.data import exact_input, exact_result
+
+    want = exact_result(p, n, "float32", "sum")
+    return np.stack([exact_input(r, n, "float32", "sum") == want for r in range(p)])
+
+
+def test_unsupported_variant_becomes_a_note():
+    plan = Plan(sizes=[64], variants=[Variant("MPI_Allreduce", baseline=True)], iters=1,
+                warmup=0)
+    row = run_ranks(2, lambda t: sweep(t, plan))[0][0]
+    assert row.note.startswith("unsupported") and row.p50_us is None
+    assert report.format_row(row).startswith("#")
+
+
+def test_iterations_shrink_above_large_sizes():
+    plan = Plan(sizes=[], variants=[], iters=100, warmup=10, min_iters=10)
+    assert iterations(LARGE, plan) == (100, 10)
+    assert iterations(4 * LARGE, plan) == (25, 2)
+    assert iterations(64 * LARGE, plan) == (10, 2)
+
+
+def test_sizes_algorithms_and_compressor_parsing():
+    assert cli.default_sizes(4, 64) == [4, 8, 16, 32, 64]
+    assert cli.default_sizes(3, 100) == [4, 8, 16, 32, 64]
+    assert len(cli.default_sizes(4, 64 << 20)) == 25
+    assert cli.parse_sizes("1k, 2MiB,3") == [1024, 2 << 20, 3]
+    assert cli.parse_compressor("qsgd:bits=4:x=a") == ("qsgd", (("bits", 4), ("x", "a")))
+    assert cli.parse_compressor("none") == (None, ())
+    for bad in ("4X", "-1", "0"):
+        with pytest.raises(ConfigError):
+            cli.parse_size(bad)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--algorithms", "bogus"], "unknown algorithm 'bogus'"),
+    (["--compressors", "bogus"], "unknown compressor 'bogus'"),
+    (["--dtype", "complex64"], "unknown dtype"),
+    (["--min-bytes", "1M", "--max-bytes", "1K"], "exceeds"),
+    (["--iters", "0"], "--iters"),
+])
+def test_bad_arguments_are_clear_errors(argv, message, capsys):
+    assert main(["--transport", "threads", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_transport_that_does_not_match_the_launcher(monkeypatch, capsys):
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "1")
+    assert main(["--transport", "threads"]) == 2
+    assert "does not apply" in capsys.readouterr().err
+
+
+def test_launch_detection_and_mpiexec_command():
+    assert launch.detect_launcher({"PMI_SIZE": "4"}) == "mpi"
+    assert launch.detect_launcher({"RANK": "1", "WORLD_SIZE": "2"}) == "torch"
+    assert launch.detect_launcher({"RANK": "1"}) is None
+    cmd, env = launch.mpiexec_command(_mpiexec(), 64, ["--iters", "1"], ["--bind-to", "none"])
+    assert cmd[:3] == [_mpiexec(), "-n", "64"] and "--oversubscribe" in cmd
+    assert cmd[cmd.index(sys.executable):] == [sys.executable, "-m", "gradcomm.bench",
+                                               "--iters", "1"]
+    assert env["OMP_NUM_THREADS"] == os.environ.get("OMP_NUM_THREADS", "1")
+    if os.geteuid() == 0:
+        assert env["OMPI_ALLOW_RUN_AS_ROOT"] == "1"
+
+
+def test_summary_ratios():
+    def row(alg, size, p50, check=True):
+        bw = size / (p50 * 1e-6) / 1e9
+        return Row(size, size // 4, "float32", "sum", alg, None, check, alg, 1, 0, p50, p50,
+                   p50, p50, p50, bw, bw, None, None, None, 0)
+
+    rows = [row("MPI_Allreduce", 4096, 2.0, None), row("ring", 4096, 5.0),
+            row("recursive_doubling", 4096, 3.0), row("recursive_doubling", 4096, 1.0, False),
+            row("MPI_Allreduce", 16 << 20, 100.0, None), row("ring", 16 << 20, 50.0),
+            row("MPI_Allreduce", 64 << 20, 400.0, None), row("ring", 64 << 20, 250.0)]
+    s = report.summarize(rows, "MPI_Allreduce")
+    assert s["latency"]["best"] == "recursive_doubling"        # unchecked rows excluded
+    assert s["latency"]["ratio"] == pytest.approx(1.5) and s["latency"]["met"]
+    assert s["largest"]["ratio"] == pytest.approx(1.6)
+    assert s["busbw_16_64MiB"]["min_ratio"] == pytest.approx(1.6)
+    assert s["busbw_16_64MiB"]["met"]
+    line = report.summary_line(s)
+    assert "1.60x MPI_Allreduce" in line and "1.50x" in line
+
+
+@pytest.mark.timeout(60)
+def test_plot_file(tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="--plot is the [bench] extra")
+    png = tmp_path / "p.png"
+    assert main(["--transport", "threads", "--sizes", "4,1K", "--iters", "1", "--warmup", "0",
+                 "--algorithms", "ring,native", "--plot", str(png)]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plot_without_matplotlib_fails_before_measuring(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert main(["--transport", "threads", "--plot", "x.png"]) == 2
+    captured = capsys.readouterr()
+    assert "gradcomm[bench]" in captured.err and "size(B)" not in captured.out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(importlib.util.find_spec("gradcomm.collectives.compressed") is None,
+                    reason="compressed allreduce not in this checkout yet")
+def test_compressed_rows_report_error_and_identical_bytes(tmp_path):
+    from gradcomm import compressors
+
+    lossy = [n for n in ("fp16", "int8", "topk") if n in compressors.names()]
+    assert lossy
+    out = tmp_path / "c.json"
+    assert main(["--transport", "threads", "--sizes", "4K", "--iters", "2", "--warmup", "0",
+                 "--algorithms", "ring", "--compressors", ",".join(["none", *lossy]),
+                 "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    for r in rows:
+        assert r["wrong"] == 0
+        assert (r["rel_err"] is None) == (r["compressor"] is None)

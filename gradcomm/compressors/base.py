@@ -88,7 +88,7 @@ class Payload:
             raise PayloadError(f"payload header of {hlen} bytes does not fit in {raw.size}")
         try:
             meta = msgpack.unpackb(raw[_PREFIX.size:_PREFIX.size + hlen].tobytes(), raw=False,
-                                   strict_map_key=True, max_buffer_size=MAX_HEADER)
+                                   strict_map_key=True)     # input already <= MAX_HEADER
         except Exception as exc:  # msgpack raises several types on garbage
             raise PayloadError(f"payload header is not valid msgpack: {exc}") from None
         if not (isinstance(meta, dict) and isinstance(meta.get("c"), str)

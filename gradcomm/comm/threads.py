@@ -197,8 +197,8 @@ def run_ranks(n: int, fn: Callable[[Transport], Any], *, timeout: float = 60.0,
     errors: dict[int, BaseException] = {}
 
     def body(rank: int) -> None:
-        t = ThreadTransport(fabric, rank, timeout if wait_timeout is None else wait_timeout)
         try:
+            t = ThreadTransport(fabric, rank, timeout if wait_timeout is None else wait_timeout)
             results[rank] = fn(t)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
             errors[rank] = exc

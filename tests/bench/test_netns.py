@@ -1,0 +1,96 @@
+"""The emulated-network harness (bench/netns.py): namespaces, tbf cap, launchers, cleanup.
+
+Needs Linux, root and iproute2; skipped (with the reason) elsewhere. ~15 s.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[2] / "bench" / "netns.py"
+_spec = importlib.util.spec_from_file_location("gradcomm_bench_netns", _PATH)
+assert _spec and _spec.loader
+netns = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = netns          # dataclasses need the module registered
+_spec.loader.exec_module(netns)
+
+_WHY = netns.available()
+pytestmark = pytest.mark.skipif(_WHY is not None, reason=str(_WHY))
+
+RATE = 100 * 10**6     # 100 Mbit/s: a transfer of a few MB takes well under a second
+NBYTES = 8 * 10**6     # 64 full tbf buckets: the initial burst skews the rate by ~3 %
+
+
+def _leftovers(net) -> list[str]:
+    return netns.list_namespaces(net.prefix)
+
+
+@pytest.mark.timeout(60)
+def test_cap_holds_for_socket_and_mpi_and_cleans_up():
+    net = netns.Network(2, "100mbit")
+    try:
+        net.up()
+        assert sorted(_leftovers(net)) == [net.ns(0), net.ns(1)]
+        qd = net.qdiscs()
+        assert qd.count("tbf") == 2 and "100Mbit" in qd, qd
+        rows = netns.check(net, NBYTES, vias=("socket", "mpi"), repeat=1, verbose=False)
+        assert [(r["via"], r["src"], r["dst"]) for r in rows] == [
+            ("socket", 0, 1), ("socket", 1, 0), ("mpi", 0, 1), ("mpi", 1, 0)]
+        for r in rows:
+            # within 10 % of the cap; never meaningfully above it (the burst allows ~3 %)
+            assert abs(r["measured_bps"] / RATE - 1) <= 0.10, r
+    finally:
+        net.down()
+    assert _leftovers(net) == []
+
+
+@pytest.mark.timeout(60)
+def test_failing_rank_is_reported_and_everything_removed():
+    with netns.Network(2, "1gbit") as net:
+        with pytest.raises(RuntimeError, match="rank 1 exited with 3"):
+            net.run([sys.executable, "-c", "import os, sys; "
+                     "sys.exit(3 if os.environ['RANK'] == '1' else 0)"],
+                    launcher="gloo", timeout=30, capture=True)
+        # rank namespaces see only loopback and their veth, with our private address
+        out = subprocess.run(net.exec_prefix(1) + ["ip", "-o", "-4", "addr"],
+                             capture_output=True, text=True, check=True).stdout
+        assert "10.213.0.2/24" in out and "127.0.0.1" in out and len(out.splitlines()) == 2
+    assert _leftovers(net) == []
+
+
+@pytest.mark.timeout(60)
+def test_cleanup_removes_leftovers_and_processes_inside():
+    net = netns.Network(3, "1gbit", tag="t" + netns.secrets.token_hex(3))
+    net.up()
+    assert net.topology == "switch" and len(_leftovers(net)) == 4
+    p = subprocess.Popen(net.exec_prefix(2) + ["sleep", "60"], start_new_session=True)
+    deadline = netns.time.monotonic() + 10     # wait until it is inside the namespace
+    while not netns._run(netns.IP, "netns", "pids", net.ns(2)).stdout.split():
+        assert netns.time.monotonic() < deadline
+        netns.time.sleep(0.02)
+    try:
+        removed = netns.cleanup(net.prefix)       # as `--cleanup` would, after a crash
+        assert sorted(removed) == sorted(net.created)
+        assert p.wait(timeout=10) == -15          # the process inside was stopped
+        assert _leftovers(net) == []
+    finally:
+        if p.poll() is None:
+            p.kill()
+        net.down()
+
+
+def test_rate_parsing_and_tbf_sizing():
+    assert netns.parse_rate("10gbit") == 10**10 and netns.fmt_rate(10**10) == "10gbit"
+    with pytest.raises(ValueError, match="rate must look like"):
+        netns.parse_rate("fast")
+    for rate in (10**8, 10**9, 10**10):
+        burst, limit = netns.tbf_params(rate)
+        assert burst >= 2 * 65536 and burst >= rate / 8 * 0.002   # >= GSO packet, >= 2 ms
+        assert limit >= 2 * 4 * 2**20                             # two TSQ budgets
+    with pytest.raises(ValueError, match="exactly 2 ranks"):
+        netns.Network(3, "1gbit", topology="direct")

@@ -1,0 +1,214 @@
+"""gradcomm.allreduce / allreduce_ on numpy arrays and torch CPU tensors.
+
+Contiguous and non-contiguous inputs, any shape; ``x`` untouched; a new array of the same
+kind, dtype and shape returned; ``allreduce_`` writes through ``x``'s own strides.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+import torch
+
+import gradcomm
+from gradcomm.collectives import DENSE
+from gradcomm.comm import run_ranks
+from gradcomm.errors import ConfigError
+
+pytestmark = pytest.mark.timeout(60)
+P = 3
+
+
+def on_ranks(fn: Callable[[Any], Any], p: int = P) -> list[Any]:
+    return run_ranks(p, fn, timeout=30)
+
+
+def numpy_inputs(rank: int) -> dict[str, np.ndarray]:
+    """Each rank's inputs: small integers, so every sum is exact."""
+    a = (np.arange(24).reshape(4, 6) % 5 + rank).astype(np.float32)
+    return {
+        "scalar": np.array(rank + 1.5),
+        "vector": np.arange(7, dtype=np.int32) * (rank + 1),
+        "matrix": a,
+        "transposed": a.T,
+        "strided": np.arange(40, dtype=np.float64)[::3] + rank,
+        "fortran": np.asfortranarray(a.astype(np.int16)),
+        "column": a[:, 2],
+        "3d_slice": np.arange(60, dtype=np.int64).reshape(3, 4, 5)[:, 1:3, ::2] - rank,
+        "empty": np.zeros((0, 3), np.float16),
+        "float16": (np.arange(10) % 4 - rank).astype(np.float16),
+        "readonly": np.full(5, float(rank)),
+    }
+
+
+def test_numpy_out_of_place() -> None:
+    def fn(t: Any) -> dict[str, Any]:
+        out = {}
+        for name, x in numpy_inputs(t.rank).items():
+            if name == "readonly":
+                x.flags.writeable = False
+            before = x.copy()
+            y = gradcomm.allreduce(x, t)
+            assert type(y) is np.ndarray and y.dtype == x.dtype and y.shape == x.shape, name
+            assert x.tobytes() == before.tobytes(), f"{name}: input modified"
+            assert not np.shares_memory(x, y), name
+            out[name] = y
+        return out
+
+    res = on_ranks(fn)
+    for name in res[0]:
+        want = sum(numpy_inputs(r)[name].astype(np.float64) for r in range(P))
+        for r in range(P):
+            assert np.array_equal(res[r][name], want), (name, r)
+            assert res[r][name].tobytes() == res[0][name].tobytes(), (name, r)
+
+
+def test_numpy_in_place_through_strides() -> None:
+    def fn(t: Any) -> list[bool]:
+        ok = []
+        base = np.arange(20, dtype=np.float64).reshape(4, 5) + t.rank
+        keep = base.copy()
+        view = base[1:, ::2]                # non-contiguous window into base
+        y = gradcomm.allreduce_(view, t, op="max")
+        ok.append(y is view)
+        want = keep.copy()
+        want[1:, ::2] = np.arange(20).reshape(4, 5)[1:, ::2] + P - 1
+        ok.append(np.array_equal(base, want))           # only the view changed
+        z = np.arange(6, dtype=np.int8).reshape(2, 3)
+        ok.append(gradcomm.allreduce_(z, t) is z and z.tolist() == [[0, 3, 6], [9, 12, 15]])
+        return ok
+
+    assert all(all(r) for r in on_ranks(fn))
+
+
+TORCH_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+                torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def torch_inputs(rank: int) -> dict[str, torch.Tensor]:
+    out = {}
+    for dt in TORCH_DTYPES:
+        base = (torch.arange(30).reshape(5, 6) % 4 + rank).to(dt)
+        key = str(dt).removeprefix("torch.")
+        out[key] = base
+        out[key + "_t"] = base.t()                       # non-contiguous
+        out[key + "_slice"] = base[1:4, ::2]             # non-contiguous
+    out["scalar"] = torch.tensor(rank + 0.5)
+    out["grad"] = torch.ones(4, requires_grad=True) * (rank + 1)
+    out["empty"] = torch.zeros(0, 2, dtype=torch.bfloat16)
+    return out
+
+
+def test_torch_out_of_place() -> None:
+    def fn(t: Any) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, x in torch_inputs(t.rank).items():
+            before = x.detach().clone()
+            y = gradcomm.allreduce(x, t)
+            assert isinstance(y, torch.Tensor), name
+            assert y.dtype == x.dtype and y.shape == x.shape and y.device == x.device, name
+            assert torch.equal(x.detach(), before), f"{name}: input modified"
+            assert not y.requires_grad, name
+            if x.numel():
+                assert y.data_ptr() != x.data_ptr(), name
+            out[name] = y
+        return out
+
+    res = on_ranks(fn)
+    for name in res[0]:
+        want = sum(torch_inputs(r)[name].detach().double() for r in range(P))
+        for r in range(P):
+            got = res[r][name]
+            assert torch.equal(got.double(), want), (name, r, got)
+            assert torch.equal(got, res[0][name]), (name, r)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_torch_in_place(dtype: torch.dtype) -> None:
+    def fn(t: Any) -> list[bool]:
+        ok = []
+        x = torch.full((3, 4), float(t.rank), dtype=dtype)
+        ok.append(gradcomm.allreduce_(x, t, op="mean") is x)
+        ok.append(torch.equal(x, torch.full((3, 4), 1.0, dtype=dtype)))
+        base = torch.zeros(4, 6, dtype=dtype)
+        view = base.t()[::2]                 # non-contiguous
+        view.fill_(t.rank + 1)
+        ok.append(gradcomm.allreduce_(view, t) is view)
+        want = torch.zeros(4, 6, dtype=dtype)
+        want.t()[::2] = 6
+        ok.append(torch.equal(base, want))
+        return ok
+
+    assert all(all(r) for r in on_ranks(fn))
+
+
+def test_bfloat16_rounds_like_torch() -> None:
+    """Sums that are not exact in bfloat16 round to nearest even, as torch's own add does."""
+    vals = [1.0, 2 ** -8, 2 ** -8 + 2 ** -9]
+
+    def fn(t: Any) -> torch.Tensor:
+        return gradcomm.allreduce(torch.tensor([vals[t.rank]] * 4, dtype=torch.bfloat16), t,
+                                  algorithm="tree")
+
+    res = on_ranks(fn)
+    x = [torch.tensor([v] * 4, dtype=torch.bfloat16) for v in vals]
+    want = (x[0] + x[1]) + x[2]              # the binomial tree's order for 3 ranks
+    for y in res:
+        assert torch.equal(y.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("alg", DENSE + ("auto",))
+def test_every_algorithm_and_op(alg: str) -> None:
+    def fn(t: Any) -> list[list[float]]:
+        x = torch.tensor([[1.0, -2.0], [3.0, 0.5]]) * (t.rank + 1)
+        return [gradcomm.allreduce(x, t, op=op, algorithm=alg).flatten().tolist()
+                for op in ("sum", "mean", "max", "min", "prod")]
+
+    for res in on_ranks(fn, 4):
+        assert res == [[10.0, -20.0, 30.0, 5.0], [2.5, -5.0, 7.5, 1.25],
+                       [4.0, -2.0, 12.0, 2.0], [1.0, -8.0, 3.0, 0.5],
+                       [24.0, 384.0, 1944.0, 1.5]]
+
+
+def test_single_rank_is_a_copy() -> None:
+    def fn(t: Any) -> bool:
+        x = np.arange(5.0)
+        y = gradcomm.allreduce(x, t, op="mean")
+        return y is not x and np.array_equal(x, y) and not np.shares_memory(x, y)
+
+    assert on_ranks(fn, 1) == [True]
+
+
+def test_bad_arguments() -> None:
+    def fn(t: Any) -> list[str]:
+        errs = []
+        for call in (lambda: gradcomm.allreduce([1.0, 2.0], t),
+                     lambda: gradcomm.allreduce(np.ones(2), t, ratio=0.1),
+                     lambda: gradcomm.allreduce(torch.ones(2, dtype=torch.complex64), t),
+                     lambda: gradcomm.allreduce(np.ones(2), object())):
+            try:
+                call()
+                errs.append("no error")
+            except ConfigError as exc:
+                errs.append(str(exc))
+        return errs
+
+    for errs in on_ranks(fn, 2):
+        assert "numpy array, torch tensor or cupy array" in errs[0] and "list" in errs[0]
+        assert "unknown options ['ratio']" in errs[1]
+        assert "complex64" in errs[2]
+        assert "mpi4py communicator" in errs[3]
+
+
+def test_importing_gradcomm_imports_no_framework() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, gradcomm, gradcomm.collectives.ring, gradcomm.collectives.tree, "
+            "gradcomm.collectives.rabenseifner, gradcomm.collectives.auto; "
+            "print(sorted(m for m in ('torch', 'mpi4py', 'cupy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == "[]"

@@ -232,8 +232,9 @@ def gossip_average(x: Any, comm: Any = None, *, topology: str | Topology = "ring
     buf, meta = _array.to_flat(x)
     setup = _Setup(t, topology, step, weights, meta.dtype)
     if check:
-        agree(t, "gossip_average", count=int(buf.size), dtype=meta.dtype,
-              topology=setup.key, step=int(setup.step), weights=setup.whash)
+        agree(t, "gossip", count=int(buf.size), dtype=meta.dtype, topology=setup.key,
+              step=int(setup.step), weights=setup.whash, compressor=None,
+              gamma=repr(1.0))      # the same fields as Gossip's: the two may be mixed
     if setup.problem is not None:
         raise setup.problem
     assert setup.plan is not None
@@ -354,7 +355,7 @@ class Gossip:
             (self.seed, step, t.rank)
         payload = c.compress(diff, seed=seed)
         data = payload.to_bytes()
-        received = self._exchange_payloads(data, recv_from, send_to, n)
+        received = self._exchange_payloads(data, recv_from, send_to, n, acc_dt.name)
         self._add_decoded(self._estimate, payload, n, "this rank")
         for j in recv_from:
             self._add_decoded(self._peer_estimates[j], received[j], n, f"rank {j}")
@@ -368,17 +369,19 @@ class Gossip:
         x += acc
         return _narrow(x, dtype)
 
-    def _bound(self, n: int) -> int:
+    def _bound(self, n: int, dtype: str) -> int:
+        """Largest payload a peer may announce: the codec's ``max_nbytes`` when it
+        declares one, else a generous 64 KiB + 3 float64 per value."""
         fn = getattr(self.compressor, "max_nbytes", None)
         if callable(fn):
             try:
-                return int(fn(n))
-            except Exception:  # noqa: BLE001 - fall back to the generous bound
+                return int(fn(n, dtype))
+            except GradcommError:       # UnsupportedError: no declared bound
                 pass
         return 64 * 1024 + 3 * 8 * n
 
     def _exchange_payloads(self, data: np.ndarray, recv_from: tuple[int, ...],
-                           send_to: tuple[int, ...], n: int) -> dict[int, Any]:
+                           send_to: tuple[int, ...], n: int, dtype: str) -> dict[int, Any]:
         from ..compressors.base import Payload
 
         t = self.transport
@@ -386,7 +389,7 @@ class Gossip:
         sizes = {j: self._scratch.get(("size", j), 1, np.dtype(np.int64)) for j in recv_from}
         t.waitall([t.irecv(sizes[j], j, TAG_GOSSIP) for j in recv_from] +
                   [t.isend(size, k, TAG_GOSSIP) for k in send_to])
-        bound = self._bound(n)
+        bound = self._bound(n, dtype)
         recv = {}
         for j in recv_from:
             m = int(sizes[j][0])

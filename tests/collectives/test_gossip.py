@@ -12,6 +12,7 @@ from gradcomm.collectives import topologies as T
 from gradcomm.collectives.gossip import Gossip, consensus_distance, gossip_average
 from gradcomm.comm import run_ranks
 from gradcomm.comm.base import TAG_GOSSIP
+from gradcomm.compressors import Compressor, Payload
 from gradcomm.errors import (ConfigError, GradcommError, MismatchError, TransportError,
                              UnsupportedError)
 
@@ -392,6 +393,24 @@ def test_gossip_object_equals_function_and_counts_steps(name):
     assert run(6, fn) == [5] * 6
 
 
+def test_object_and_function_mix_and_compression_mismatch_is_caught():
+    x = inputs(3, 5)
+
+    def fn(t):
+        if t.rank == 0:
+            return Gossip(t)(x[0])
+        return gossip_average(x[t.rank], t)
+
+    np.testing.assert_allclose(np.stack(run(3, fn)), ref_matrix("ring", 3, 0) @ x, atol=1e-15)
+
+    def bad(t):
+        if t.rank == 0:
+            return Gossip(t, compressor="none")(x[0])
+        return gossip_average(x[t.rank], t)
+
+    assert run(3, outcome(bad)) == ["MismatchError"] * 3
+
+
 def test_gossip_callable_weights_change_per_step():
     p = 4
 
@@ -450,6 +469,48 @@ def test_choco_compressed_gossip_converges_and_preserves_the_sum(codec, opts):
     got = np.stack(run(p, fn, timeout=60))
     np.testing.assert_allclose(got.mean(axis=0), x.mean(axis=0), atol=1e-10)
     assert distance(got) < 1e-3 * distance(x), (codec, distance(got), distance(x))
+
+
+class _TopK(Compressor):
+    """A small real top-k codec (indices + values), so that the lossy CHOCO path is tested
+    whatever the registry holds."""
+
+    name = "test_topk"
+
+    def __init__(self, ratio):
+        self.ratio = ratio
+
+    def compress(self, x, *, seed=None):
+        k = max(1, int(self.ratio * x.size))
+        idx = np.sort(np.argpartition(np.abs(x), -k)[-k:]).astype(np.int64)
+        return Payload(self.name, {"n": int(x.size)}, {"i": idx, "v": x[idx].copy()})
+
+    def decompress(self, payload, out=None):
+        y = np.zeros(payload.header["n"], payload.buffers["v"].dtype)
+        y[payload.buffers["i"]] = payload.buffers["v"]
+        return y
+
+
+@pytest.mark.parametrize("ratio,gamma,rounds", [(0.25, 0.4, 100), (0.05, 0.1, 150)])
+def test_choco_with_a_lossy_codec_instance(ratio, gamma, rounds):
+    p, n = 6, 64
+    x = inputs(p, n, seed=8)
+
+    def fn(t):
+        g = Gossip(t, topology="ring", compressor=_TopK(ratio), gamma=gamma)
+        v = x[t.rank]
+        t.stats.reset()
+        for _ in range(rounds):
+            v = g(v)
+        return v, t.stats.bytes_sent / rounds
+
+    got = run(p, fn)
+    final = np.stack([v for v, _ in got])
+    np.testing.assert_allclose(final.mean(axis=0), x.mean(axis=0), atol=1e-12)
+    assert distance(final) < 1e-4 * distance(x)
+    nbytes = _TopK(ratio).compress(np.zeros(n)).nbytes       # k indices + k values
+    assert nbytes < 8 * n * 2 * ratio + 100
+    assert all(b == 2 * (8 + nbytes) for _, b in got)      # 2 neighbours: size + payload
 
 
 def test_choco_needs_a_static_topology():

@@ -42,10 +42,17 @@ ALGORITHMS = ("ring", "recursive_doubling", "auto")
 
 def allgather_sizes(t: Transport, size: int, *, tag: int = TAG_SIZES) -> np.ndarray:
     """Every rank's ``size`` (an int), as an int64 array in rank order."""
-    rotated = np.empty(t.size, np.int64)
-    _bruck(t, np.array([size], np.int64).view(np.uint8), rotated.view(np.uint8),
-           np.full(t.size, 8, np.int64), tag)
-    return np.roll(rotated, t.rank)
+    return allgather_ints(t, [size], tag=tag)[:, 0]
+
+
+def allgather_ints(t: Transport, values: Any, *, tag: int = TAG_SIZES) -> np.ndarray:
+    """Every rank's int64 vector ``values`` (same length everywhere), as rows in rank order."""
+    mine = np.ascontiguousarray(values, np.int64).reshape(-1)
+    m = mine.size
+    rotated = np.empty((t.size, m), np.int64)
+    _bruck(t, mine.view(np.uint8), rotated.reshape(-1).view(np.uint8),
+           np.full(t.size, 8 * m, np.int64), tag)
+    return np.roll(rotated, t.rank, axis=0)
 
 
 def allgatherv(t: Transport, block: Any, *, max_nbytes: int | None = None,

@@ -106,6 +106,13 @@ def counts(p: int) -> list[int]:
 SMALL_CHUNK = 96     # bytes: several chunks per segment, uneven ones
 
 
+def chunkings(alg: str, n: int) -> list[dict[str, int]]:
+    """Default chunks; small uneven ones; one element per message (small n only)."""
+    if alg not in ("ring", "tree"):
+        return [{}]
+    return [{}, {"chunk_bytes": SMALL_CHUNK}] + ([{"chunk_bytes": 1}] if n < 30 else [])
+
+
 def model(alg: str, p: int, r: int, n: int, b: int, chunk_bytes: int) -> Cost:
     if alg == "ring":
         return ring_cost(p, r, n, b, chunk_bytes)
@@ -131,7 +138,7 @@ def measure(t, alg: str, n: int, dtype: str, **kw) -> Cost:
 def test_counts_match_the_model(p: int) -> None:
     runs = [(alg, n, dt, kw) for alg in ("ring", "tree", "recursive_doubling", "rabenseifner")
             for n in counts(p) for dt in ("float32", "int8")
-            for kw in ([{}, {"chunk_bytes": SMALL_CHUNK}] if alg in ("ring", "tree") else [{}])]
+            for kw in chunkings(alg, n)]
 
     def fn(t) -> list:
         wrong = []

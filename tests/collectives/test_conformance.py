@@ -18,7 +18,9 @@ import pytest
 import torch
 
 import gradcomm
-from gradcomm.collectives import DENSE, dense_allreduce
+from gradcomm.collectives import DENSE, algorithm, dense_allreduce
+from gradcomm.collectives._reduce import Reducer
+from gradcomm.collectives._wire import DenseWire
 from gradcomm.comm import run_ranks
 from gradcomm.errors import ConfigError
 from tests._cases import DTYPES, LARGE, OPS, expected, make_input, op_applies, small_counts
@@ -142,3 +144,60 @@ def test_matrix(p: int, alg: str) -> None:
     failures = [f for r in results for f in r[0]]
     assert not failures, "\n".join(failures[:20])
     assert all(r[1] == results[0][1] for r in results), "ranks hold different bytes"
+
+
+class ShiftWire:
+    """A deterministic lossy wire that is not idempotent: every ``final`` adds 1.
+
+    Partials travel as fresh copies, finished segments land in fresh buffers and decode
+    as they are. If an algorithm re-finalised a forwarded segment, or finalised different
+    segments a different number of times on different ranks, ranks would disagree.
+    """
+
+    lossy = True
+
+    def __init__(self, red: Reducer) -> None:
+        self.dense = DenseWire(red)
+
+    def partial_buffer(self, n: int, like: np.ndarray, slot: int = 0) -> np.ndarray:
+        return self.dense.partial_buffer(n, like, slot)
+
+    def encode(self, seg: np.ndarray) -> np.ndarray:
+        assert seg.size, "empty segments are never encoded"
+        return seg.copy()
+
+    def reduce(self, recv: np.ndarray, seg: np.ndarray, recv_first: bool) -> None:
+        self.dense.reduce(recv, seg, recv_first)
+
+    def final(self, seg: np.ndarray) -> np.ndarray:
+        assert seg.size, "empty segments are never finalised"
+        seg += 1
+        return seg.copy()
+
+    def final_buffer(self, n: int, seg: np.ndarray) -> np.ndarray:
+        return np.empty_like(seg)
+
+    def place(self, recv: np.ndarray, seg: np.ndarray) -> None:
+        seg[...] = recv
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("alg", ["ring", "tree", "recursive_doubling", "rabenseifner"])
+def test_lossy_wire_gives_identical_bytes(alg: str) -> None:
+    """Every rank ends with the same bytes whatever the wire does to finished segments."""
+    kw = {"chunk_bytes": 40} if alg in ("ring", "tree") else {}
+    for p in range(1, 9):
+        def fn(t) -> list[bytes]:
+            out = []
+            for n in [*small_counts(p), 97]:
+                buf = tiled_input(t.rank, n, "float64", "sum")
+                red = Reducer("sum", "float64")
+                algorithm(alg)(t, buf, red, wire=ShiftWire(red), **kw)
+                exact = tiled_expected(p, n, "float64", "sum")
+                shift = buf - exact                # what the wire added: whole numbers
+                assert (shift >= 0).all() and (shift <= 2 * p).all(), (alg, p, n, shift)
+                out.append(buf.tobytes())
+            return out
+
+        res = run_ranks(p, fn, timeout=60)
+        assert all(r == res[0] for r in res), (alg, p)

@@ -132,6 +132,21 @@ def test_complete_gives_identical_bytes_on_every_rank():
     np.testing.assert_allclose(got[0], x.mean(axis=0), atol=1e-6)
 
 
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_exponential_averages_exactly_in_log2_p_rounds(p):
+    x = (np.arange(p * 9).reshape(p, 9) * 5 % 11).astype(np.float32)
+
+    def fn(t):
+        v = x[t.rank]
+        for s in range(p.bit_length() - 1):
+            v = gossip_average(v, t, topology="exponential", step=s)
+        return v
+
+    got = run(p, fn)
+    for g in got:
+        assert g.tobytes() == x.mean(axis=0, dtype=np.float64).astype(np.float32).tobytes()
+
+
 # -- conservation and contraction --------------------------------------------------------
 
 @pytest.mark.parametrize("name,p", [("ring", 5), ("torus", 6), ("exponential", 7),

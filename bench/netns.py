@@ -24,8 +24,11 @@ Command line::
 
 ``--launcher mpi`` runs ``mpirun`` (Open MPI 5) in MPMD form, one ``ip netns exec`` per rank,
 with ``--mca pml ob1 --mca btl tcp,self`` (no shared memory, so nothing bypasses the link)
-and ``btl_tcp_if_include 10.213.0.0/24``. PMIx talks to ranks over unix sockets in /tmp,
-which cross network namespaces. ``--launcher gloo`` starts the ranks itself with the
+and ``btl_tcp_if_include 10.213.0.0/24``; MASTER_ADDR/MASTER_PORT/GLOO_SOCKET_IFNAME are
+exported too, so an MPI job can open a gloo group over the same link. Open MPI 5's PMIx
+reaches its ranks over TCP on 127.0.0.1 only, which a namespace cannot see:
+:class:`LoopbackRelay` forwards 127.0.0.1:<pmix port> inside every rank namespace to the
+host's loopback (loopback to loopback, nothing else). ``--launcher gloo`` starts the ranks itself with the
 torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=10.213.0.1, MASTER_PORT)
 and ``GLOO_SOCKET_IFNAME=gcnet0``.
 """
@@ -333,6 +336,7 @@ class Network:
                 "LOCAL_WORLD_SIZE": str(self.np), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
                 "MASTER_ADDR": self.addr(0), "MASTER_PORT": str(port),
                 "GLOO_SOCKET_IFNAME": IFNAME, "TP_SOCKET_IFNAME": IFNAME,
+                "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
                 "GRADCOMM_NETNS": self.ns(rank), "GRADCOMM_NET_RATE": str(self.rate_bps),
                 "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
 
@@ -348,6 +352,9 @@ class Network:
         for k in ("OMP_NUM_THREADS", "GRADCOMM_NET_RATE", "PYTHONPATH", "PATH"):
             if k in env:
                 argv += ["-x", k]
+        # so that an MPI job can also open a gloo group over the emulated link
+        argv += ["-x", f"MASTER_ADDR={self.addr(0)}", "-x", f"MASTER_PORT={_free_port_hint()}",
+                 "-x", f"GLOO_SOCKET_IFNAME={IFNAME}", "-x", "TORCH_CPP_LOG_LEVEL=ERROR"]
         argv += list(extra)
         for r in range(self.np):
             if r:

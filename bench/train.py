@@ -1,0 +1,461 @@
+"""End-to-end DDP training over emulated links: gradcomm hooks vs PyTorch's own.
+
+Trains the same MLP (same initial weights, same data order) once per variant and reports,
+per variant: time per step (mean and p50 over the timed steps, slowest rank), bytes each
+rank put on its link per step (the emulated NIC's own counter, so every variant is counted
+the same way, TCP/IP headers included), final test accuracy and loss, and whether the
+replicas ended bitwise identical.
+
+Variants (``--variants``, comma-separated; options after ``:`` separated by ``;``):
+
+* ``ddp`` — DDP's built-in allreduce (gloo), uncompressed: the accuracy reference.
+* ``torch-fp16`` — ``default_hooks.fp16_compress_hook``.
+* ``torch-powersgd[:rank=2;start=10]`` — ``powerSGD_hook`` (PowerSGDState with that
+  matrix_approximation_rank and start_powerSGD_iter).
+* ``gc-<codec>[:opt=v;...]`` — ``gradcomm.integrations.ddp.make_comm_hook(codec, **opts)``,
+  e.g. ``gc-int8``, ``gc-topk:ratio=0.01``; ``ef=0`` turns error feedback off
+  (``gc-topk:ratio=0.01;ef=0`` is the ablation that shows why EF exists); ``alg=ring``
+  picks the algorithm; ``gc-none`` is gradcomm without compression.
+
+Run (root; the harness makes the namespaces and removes them)::
+
+    python bench/train.py --rate 1gbit                  # every default variant, 2 ranks
+    python bench/train.py --rate 10gbit --variants ddp,torch-fp16,gc-topk:ratio=0.01
+    python bench/train.py --rate none --steps 40        # no emulation: 127.0.0.1, quick
+
+Ranks are started by Open MPI (``--launcher mpi``, default: DDP's process group is gloo
+over the emulated link and gradcomm's hooks use ``transport="mpi"``, microseconds per
+message) or as plain processes (``--launcher gloo``: everything over gloo).
+
+The data: scikit-learn's digits (1797 8x8 images, 80/20 split; offline), or
+``--data synthetic`` (``make_classification``, 64 features, 10 classes, 24000 samples: a
+test set of 4800, so one accuracy point is 48 samples rather than 3.6). The model: an MLP
+64 -> width (x depth) -> 10; the default 2048 x 2 has 4.35 M parameters, 17.4 MB of float32
+gradient per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+
+DEFAULT_VARIANTS = ("ddp,torch-fp16,torch-powersgd:rank=2;start=10,gc-none,gc-fp16,gc-int8,"
+                    "gc-qsgd,gc-terngrad,gc-onebit,gc-randomk:ratio=0.01,gc-topk:ratio=0.01,"
+                    "gc-topk:ratio=0.01;ef=0")
+
+
+# ------------------------------------------------------------------ variants
+def parse_variant(text: str) -> dict[str, Any]:
+    """``"gc-topk:ratio=0.01;ef=0"`` -> ``{"kind": "gc", "codec": "topk", ...}``.
+
+    Example:
+        >>> v = parse_variant("gc-topk:ratio=0.01;ef=0")
+        >>> v["kind"], v["codec"], v["options"], v["ef"]
+        ('gc', 'topk', {'ratio': 0.01}, False)
+        >>> parse_variant("torch-powersgd:rank=4")["options"]
+        {'rank': 4}
+    """
+    name, _, opts = text.partition(":")
+    options: dict[str, Any] = {}
+    for item in filter(None, opts.split(";")):
+        key, eq, val = item.partition("=")
+        if not eq:
+            raise ValueError(f"variant option must be key=value; got {item!r} in {text!r}")
+        options[key.strip()] = _number(val.strip())
+    v: dict[str, Any] = {"label": text, "options": options}
+    if name == "ddp":
+        v["kind"] = "ddp"
+    elif name in ("torch-fp16", "torch-powersgd"):
+        v["kind"] = name
+    elif name.startswith("gc-"):
+        v["kind"], v["codec"] = "gc", name[3:]
+        v["ef"] = bool(options.pop("ef", 1))
+        v["algorithm"] = str(options.pop("alg", "auto"))
+    else:
+        raise ValueError(f"unknown variant {name!r}: ddp, torch-fp16, torch-powersgd or "
+                         f"gc-<codec>")
+    if v["kind"] != "torch-powersgd" and v["kind"] != "gc" and options:
+        raise ValueError(f"variant {name!r} takes no options; got {sorted(options)}")
+    return v
+
+
+def _number(s: str) -> Any:
+    for conv in (int, float):
+        try:
+            return conv(s)
+        except ValueError:
+            pass
+    return s
+
+
+# ------------------------------------------------------------------ data and model
+def load_data(kind: str, seed: int = 0):  # -> (Xtr, ytr, Xte, yte) torch tensors
+    import numpy as np
+    import torch
+
+    if kind == "digits":
+        from sklearn.datasets import load_digits
+
+        d = load_digits()
+        X, y = d.data.astype(np.float32) / 16.0, d.target.astype(np.int64)
+    elif kind == "synthetic":
+        from sklearn.datasets import make_classification
+
+        X, y = make_classification(n_samples=24000, n_features=64, n_informative=48,
+                                   n_redundant=0, n_classes=10, n_clusters_per_class=2,
+                                   class_sep=1.5, random_state=seed)
+        X, y = X.astype(np.float32), y.astype(np.int64)
+    else:
+        raise ValueError(f"data must be digits or synthetic; got {kind!r}")
+    perm = np.random.default_rng(seed).permutation(len(X))
+    X, y = X[perm], y[perm]
+    n_test = len(X) // 5
+    Xtr, ytr, Xte, yte = X[n_test:], y[n_test:], X[:n_test], y[:n_test]
+    mu, sd = Xtr.mean(0), Xtr.std(0) + 1e-6
+    Xtr, Xte = (Xtr - mu) / sd, (Xte - mu) / sd
+    t = torch.from_numpy
+    return t(np.ascontiguousarray(Xtr)), t(ytr), t(np.ascontiguousarray(Xte)), t(yte)
+
+
+def make_model(width: int, depth: int, seed: int):
+    import torch
+
+    torch.manual_seed(seed)
+    layers: list[Any] = []
+    d = 64
+    for _ in range(depth):
+        layers += [torch.nn.Linear(d, width), torch.nn.ReLU()]
+        d = width
+    layers.append(torch.nn.Linear(d, 10))
+    return torch.nn.Sequential(*layers)
+
+
+# ------------------------------------------------------------------ link counters
+def nic_bytes(ifname: str = "gcnet0") -> tuple[int, int] | None:
+    """(rx, tx) bytes of ``ifname`` in this process's network namespace, or None."""
+    try:
+        with open("/proc/net/dev") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if name.strip() == ifname:
+                    fields = rest.split()
+                    return int(fields[0]), int(fields[8])
+    except OSError:
+        pass
+    return None
+
+
+# ------------------------------------------------------------------ one variant
+def train_variant(v: dict[str, Any], args: argparse.Namespace, data, rank: int,
+                  world: int) -> dict[str, Any]:
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    Xtr, ytr, Xte, yte = data
+    model = make_model(args.width, args.depth, args.seed)
+    ddp = DDP(model, bucket_cap_mb=args.bucket_mb)
+    state: Any = None
+    if v["kind"] == "torch-fp16":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif v["kind"] == "torch-powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+
+        o = v["options"]
+        state = ps.PowerSGDState(process_group=None,
+                                 matrix_approximation_rank=int(o.get("rank", 1)),
+                                 start_powerSGD_iter=int(o.get("start", 10)),
+                                 random_seed=args.seed)
+        ddp.register_comm_hook(state, ps.powerSGD_hook)
+        state = None       # nothing to close
+    elif v["kind"] == "gc":
+        from gradcomm.integrations.ddp import make_comm_hook
+
+        codec = None if v["codec"] == "none" else v["codec"]
+        kw: dict[str, Any] = dict(v["options"])
+        if codec is not None:
+            kw["error_feedback"] = v["ef"]
+        if args.hook_transport == "mpi":
+            kw["transport"] = "mpi"
+        state, hook = make_comm_hook(codec, algorithm=v["algorithm"], model=ddp, **kw)
+        ddp.register_comm_hook(state, hook)
+
+    opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
+    lossf = torch.nn.CrossEntropyLoss()
+    n = len(Xtr)
+    per_rank = args.batch
+    rng = np.random.default_rng(args.seed)       # same order on every rank
+    order = rng.permutation(n)
+    pos = 0
+    times: list[float] = []
+    start_bytes = None
+    try:
+        ddp.train()
+        for step in range(args.steps):
+            if pos + per_rank * world > n:
+                order, pos = rng.permutation(n), 0
+            idx = order[pos + rank * per_rank: pos + (rank + 1) * per_rank]
+            pos += per_rank * world
+            x, y = Xtr[idx], ytr[idx]
+            if step == args.warmup:
+                dist.barrier()
+                start_bytes = nic_bytes()
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            loss = lossf(ddp(x), y)
+            loss.backward()
+            opt.step()
+            dt = time.perf_counter() - t0
+            if step >= args.warmup:
+                times.append(dt)
+        end_bytes = nic_bytes()
+        timed = len(times)
+        stats = dict(getattr(state, "stats", {}) or {})
+    finally:
+        if state is not None and hasattr(state, "close"):
+            state.close()
+    # evaluate (every rank holds the same parameters; check that, bitwise)
+    model.eval()
+    with torch.no_grad():
+        logits = model(Xte)
+        acc = float((logits.argmax(1) == yte).float().mean())
+        test_loss = float(lossf(logits, yte))
+        train_loss = float(lossf(model(Xtr), ytr))
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().numpy().tobytes())
+    tx = None
+    if start_bytes is not None and end_bytes is not None and timed:
+        tx = (end_bytes[1] - start_bytes[1]) / timed
+    local = {"mean_s": statistics.fmean(times) if times else float("nan"),
+             "p50_s": statistics.median(times) if times else float("nan"),
+             "tx_bytes_per_step": tx, "digest": h.hexdigest(), "hook_stats": stats}
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, local)
+    txs = [g["tx_bytes_per_step"] for g in gathered]
+    hook_sent = [g["hook_stats"].get("bytes_sent") for g in gathered]
+    return {
+        "variant": v["label"],
+        "kind": v["kind"],
+        "steps": args.steps,
+        "timed_steps": timed,
+        "step_s_mean": max(g["mean_s"] for g in gathered),     # slowest rank
+        "step_s_p50": max(g["p50_s"] for g in gathered),
+        "tx_bytes_per_step": (statistics.fmean(txs) if all(t is not None for t in txs)
+                              else None),
+        "hook_bytes_sent_per_step": (statistics.fmean(hook_sent) / max(args.steps, 1)
+                                     if all(isinstance(b, (int, float)) for b in hook_sent)
+                                     else None),
+        "test_acc": acc,
+        "test_loss": test_loss,
+        "train_loss": train_loss,
+        "replicas_identical": len({g["digest"] for g in gathered}) == 1,
+    }
+
+
+# ------------------------------------------------------------------ report
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Speed-ups vs torch-fp16 and accuracy gaps vs ddp; the target check."""
+    by = {r["variant"]: r for r in rows}
+    ref = next((r for r in rows if r["kind"] == "ddp"), None)
+    fp16 = next((r for r in rows if r["kind"] == "torch-fp16"), None)
+    out: dict[str, Any] = {}
+    for r in rows:
+        if ref is not None:
+            r["acc_gap_pts"] = 100 * (r["test_acc"] - ref["test_acc"])
+        if fp16 is not None:
+            r["speedup_vs_torch_fp16"] = fp16["step_s_mean"] / r["step_s_mean"]
+        if ref is not None:
+            r["speedup_vs_ddp"] = ref["step_s_mean"] / r["step_s_mean"]
+    if ref is not None and fp16 is not None:
+        ok = [r for r in rows if r["kind"] == "gc" and r["acc_gap_pts"] >= -1.0]
+        if ok:
+            best = max(ok, key=lambda r: r["speedup_vs_torch_fp16"])
+            out["best_gradcomm_within_1pt"] = best["variant"]
+            out["best_speedup_vs_torch_fp16"] = best["speedup_vs_torch_fp16"]
+            out["target_1_5x_met"] = best["speedup_vs_torch_fp16"] >= 1.5
+    ef, noef = by.get("gc-topk:ratio=0.01"), by.get("gc-topk:ratio=0.01;ef=0")
+    if ef and noef:
+        out["topk_ef_vs_noef_acc_pts"] = 100 * (ef["test_acc"] - noef["test_acc"])
+    return out
+
+
+def print_table(rows: list[dict[str, Any]], summary: dict[str, Any], header: str) -> None:
+    print(header)
+    cols = (f"{'variant':30s} {'step ms':>8s} {'p50 ms':>8s} {'MB/step':>8s} "
+            f"{'acc %':>6s} {'Δacc':>6s} {'vs fp16':>7s} {'vs ddp':>7s} {'loss':>7s} same")
+    print(cols)
+    for r in rows:
+        mb = r["tx_bytes_per_step"] if r["tx_bytes_per_step"] is not None else \
+            r["hook_bytes_sent_per_step"]
+        mbs = f"{mb / 1e6:8.2f}" if mb is not None else f"{'-':>8s}"
+        print(f"{r['variant']:30s} {1e3 * r['step_s_mean']:8.1f} {1e3 * r['step_s_p50']:8.1f} "
+              f"{mbs} {100 * r['test_acc']:6.2f} {r.get('acc_gap_pts', 0):+6.2f} "
+              f"{r.get('speedup_vs_torch_fp16', float('nan')):6.2f}x "
+              f"{r.get('speedup_vs_ddp', float('nan')):6.2f}x {r['train_loss']:7.4f} "
+              f"{'yes' if r['replicas_identical'] else 'NO'}")
+    if summary:
+        print("# summary: " + json.dumps(summary))
+
+
+# ------------------------------------------------------------------ rank entry point
+def rank_main(args: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    env = os.environ
+    if "OMPI_COMM_WORLD_RANK" in env:
+        rank, world = int(env["OMPI_COMM_WORLD_RANK"]), int(env["OMPI_COMM_WORLD_SIZE"])
+    else:
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    if args.hook_transport == "mpi":
+        from mpi4py import MPI  # noqa: F401  (initialise MPI before gloo opens sockets)
+    dist.init_process_group("gloo", init_method=f"tcp://{env['MASTER_ADDR']}:"
+                            f"{env['MASTER_PORT']}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=args.timeout))
+    try:
+        data = load_data(args.data, args.seed)
+        known = None
+        try:
+            from gradcomm import compressors
+
+            known = set(compressors.names())
+        except Exception:
+            pass
+        rows, skipped = [], []
+        for text in args.variants.split(","):
+            v = parse_variant(text)
+            if v["kind"] == "gc" and v["codec"] != "none" and known is not None and \
+                    v["codec"] not in known:
+                skipped.append(f"{text} (codec not available yet)")
+                continue
+            dist.barrier()
+            t0 = time.perf_counter()
+            row = train_variant(v, args, data, rank, world)
+            row["wall_s"] = time.perf_counter() - t0
+            rows.append(row)
+            if rank == 0:
+                print(f"# {row['variant']}: {1e3 * row['step_s_mean']:.1f} ms/step, "
+                      f"acc {100 * row['test_acc']:.2f} %, {row['wall_s']:.0f} s", flush=True)
+        if rank == 0:
+            summary = summarize(rows)
+            rate = env.get("GRADCOMM_NET_RATE")
+            header = (f"# bench/train.py: {world} ranks, link "
+                      f"{(str(int(rate) / 1e9) + ' Gbit/s') if rate else 'not emulated'}, "
+                      f"data {args.data}, MLP 64-{args.width}x{args.depth}-10, batch "
+                      f"{args.batch}/rank, {args.steps} steps ({args.warmup} untimed), hooks' "
+                      f"transport {args.hook_transport}; load {os.getloadavg()[0]:.2f} on "
+                      f"{os.cpu_count()} cpus")
+            print_table(rows, summary, header)
+            if skipped:
+                print("# skipped: " + ", ".join(skipped))
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump({"header": header, "args": vars(args), "rows": rows,
+                               "summary": summary, "skipped": skipped,
+                               "rate_bps": int(rate) if rate else None}, f, indent=1)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+# ------------------------------------------------------------------ launcher
+def _netns():
+    sys.path.insert(0, str(HERE))
+    import netns  # bench/netns.py
+
+    return netns
+
+
+def launch(args: argparse.Namespace, argv: list[str]) -> int:
+    child = [sys.executable, str(Path(__file__).resolve()), *argv, "--_rank"]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    if args.launcher == "gloo" and args.hook_transport == "mpi":
+        args.hook_transport = "torch"
+        child.append("--hook-transport=torch")
+    if args.rate != "none":
+        netns = _netns()
+        why = netns.available()
+        if why:
+            print(f"train.py: cannot emulate links ({why}); use --rate none", file=sys.stderr)
+            return 2
+        with netns.Network(args.np, args.rate) as net:
+            print(f"# netns: {net.describe()}", flush=True)
+            try:
+                net.run(child, launcher=args.launcher, timeout=args.timeout * 10, env=env)
+            except (RuntimeError, TimeoutError) as e:
+                print(f"train.py: {e}", file=sys.stderr)
+                return 1
+        return 0
+    # no emulation: every rank on this host's loopback
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    if args.launcher == "mpi":
+        mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
+        mpirun = mpirun if os.access(mpirun, os.X_OK) else (shutil.which("mpirun") or "mpirun")
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        cmd = [mpirun, "-n", str(args.np), "--oversubscribe", "--bind-to", "none",
+               "-x", "MASTER_ADDR", "-x", "MASTER_PORT", "-x", "OMP_NUM_THREADS", *child]
+        return subprocess.call(cmd, env=env)
+    procs = [subprocess.Popen(child, env=dict(env, RANK=str(r), WORLD_SIZE=str(args.np)))
+             for r in range(args.np)]
+    codes = [p.wait() for p in procs]
+    return next((c for c in codes if c), 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(prog="python bench/train.py", description=__doc__.split("\n")[0])
+    ap.add_argument("--rate", default="1gbit", help="emulated link rate (1gbit, 10gbit...) or "
+                                                    "'none' for plain loopback")
+    ap.add_argument("--np", type=int, default=2)
+    ap.add_argument("--launcher", default="mpi", choices=["mpi", "gloo"])
+    ap.add_argument("--hook-transport", default="mpi", choices=["mpi", "torch"],
+                    help="gradcomm hooks' transport (mpi needs --launcher mpi)")
+    ap.add_argument("--variants", default=DEFAULT_VARIANTS)
+    ap.add_argument("--data", default="digits", choices=["digits", "synthetic"])
+    ap.add_argument("--width", type=int, default=2048)
+    ap.add_argument("--depth", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=32, help="samples per rank per step")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--warmup", type=int, default=10, help="untimed first steps")
+    ap.add_argument("--lr", type=float, default=0.02)
+    ap.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per collective")
+    ap.add_argument("--json", default=None, help="write rows and summary here (rank 0)")
+    ap.add_argument("--_rank", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    for text in args.variants.split(","):
+        parse_variant(text)      # fail early, before any rank starts
+    if args.warmup >= args.steps:
+        ap.error("--warmup must be smaller than --steps")
+    if args.json:
+        args.json = os.path.abspath(args.json)
+    if args._rank:
+        return rank_main(args)
+    return launch(args, [a for a in argv])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

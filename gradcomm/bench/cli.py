@@ -249,6 +249,7 @@ def rank_main(t: Any, args: argparse.Namespace, plan: Plan, baseline: Baseline |
             printer.close()
     if t.rank != 0:
         return rows
+    report.add_compression_ratios(rows)
     summary = report.summarize(rows, baseline.name if baseline else None)
     print(report.summary_line(summary), flush=True)
     if hasattr(os, "getloadavg"):

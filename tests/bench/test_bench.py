@@ -274,3 +274,5 @@ def test_compressed_rows_report_error_and_identical_bytes(tmp_path):
     for r in rows:
         assert r["wrong"] == 0
         assert (r["rel_err"] is None) == (r["compressor"] is None)
+        if r["compressor"] is not None:
+            assert r["rel_err"] < 1 and r["extra"]["compression_ratio"] > 1

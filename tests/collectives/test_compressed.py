@@ -1,0 +1,374 @@
+"""Compressed allreduce: every compressor with every algorithm, on in-process ranks.
+
+Bars: identical bytes on every rank; exact results for the lossless codec; the gathered
+route equals the rank-order sum of the individually decoded payloads bit for bit; error
+within each codec's bound; error feedback telescopes through every hop; per-hop
+re-compression error measured and kept bounded by error feedback; bytes per rank of the
+per-hop ring stay 2(p-1)/p of the compressed size; mismatches raise on every rank.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import numpy as np
+import pytest
+
+from gradcomm import compressors
+from gradcomm._dtypes import bf16_to_f32, f32_to_bf16
+from gradcomm.collectives import compressed as C
+from gradcomm.collectives._segments import bounds
+from gradcomm.comm import run_ranks
+from gradcomm.compressors.base import Compressor
+from gradcomm.error_feedback import ErrorFeedback
+from gradcomm.errors import ConfigError, MismatchError, PayloadError, UnsupportedError
+from tests._grid import Grid
+
+pytestmark = pytest.mark.timeout(300)
+
+ALGOS = C.COMPRESSED_ALGORITHMS          # ring, tree, rd, rabenseifner, allgather, sparse, auto
+HOP = C.HOP_ALGORITHMS
+LOSSY = tuple(n for n in compressors.names() if compressors.get(n).lossy)
+
+
+def _input(rank: int, n: int, seed: int = 0) -> np.ndarray:
+    """Gradient-like data: a component shared by all ranks plus per-rank noise."""
+    common = np.random.default_rng(1000 + seed).standard_normal(n)
+    own = np.random.default_rng(rank * 7919 + seed).standard_normal(n)
+    return (common + 0.5 * own).astype(np.float32)
+
+
+def _run(p: int, n: int, algorithm: str, codec: Any, *, op: str = "mean", seed: int = 0,
+         dtype: str = "float32", inputs=None, **kw) -> list[np.ndarray]:
+    def fn(t):
+        x = inputs(t.rank) if inputs else _input(t.rank, n, seed)
+        if dtype == "bfloat16":
+            x = f32_to_bf16(x)
+        elif dtype != "float32":
+            x = x.astype(dtype)
+        return C.compressed_allreduce(t, x, dtype, op=op, algorithm=algorithm,
+                                      compressor=codec, **kw)
+    return run_ranks(p, fn, timeout=120)
+
+
+def _same(res: list[np.ndarray]) -> None:
+    for r, out in enumerate(res):
+        assert out.tobytes() == res[0].tobytes(), f"rank {r} differs from rank 0"
+
+
+def _rel(out: np.ndarray, exact: np.ndarray) -> float:
+    return float(np.linalg.norm(out.astype(np.float64) - exact) /
+                 max(np.linalg.norm(exact), 1e-30))
+
+
+# -- the lossless codec: exact, through every route --------------------------------------
+@pytest.mark.parametrize("algorithm", ALGOS)
+@pytest.mark.parametrize("p", range(1, 9))
+def test_none_exact_every_route(p: int, algorithm: str) -> None:
+    for n in sorted({0, 1, max(p - 1, 1), p, 2 * p + 3, 777}):
+        def inputs(r, n=n):
+            return ((np.arange(n) * 7 + r * 3) % 5 - 2).astype(np.float32)
+
+        res = _run(p, n, algorithm, "none", op="sum", inputs=inputs)
+        want = sum(inputs(r) for r in range(p)) if n else np.zeros(0, np.float32)
+        _same(res)
+        assert res[0].tobytes() == want.astype(np.float32).tobytes()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float64"])
+@pytest.mark.parametrize("algorithm", ["ring", "allgather"])
+def test_none_other_dtypes_mean(dtype: str, algorithm: str) -> None:
+    p, n = 4, 50
+
+    def inputs(r):
+        return ((np.arange(n) + r) % 5).astype(np.float32)
+
+    res = _run(p, n, algorithm, "none", dtype=dtype, inputs=inputs)
+    _same(res)
+    exact = sum(inputs(r) for r in range(p)) / p
+    got = bf16_to_f32(res[0]) if dtype == "bfloat16" else res[0].astype(np.float64)
+    assert res[0].dtype == (np.uint16 if dtype == "bfloat16" else np.dtype(dtype))
+    assert np.array_equal(got, exact)
+
+
+def test_large_pipelined_ring_and_tree() -> None:
+    """Several chunks per segment (rendezvous-sized messages) still exact."""
+    n = 300_001
+    for algorithm in ("ring", "tree"):
+        res = _run(3, n, algorithm, "none", op="sum",
+                   inputs=lambda r: np.full(n, r + 1, np.float32))
+        _same(res)
+        assert np.all(res[0] == 6.0)
+
+
+def _stages(algorithm: str, p: int) -> int:
+    """Compressions whose errors reach one output element: one per edge of the reduction
+    tree plus the final rounding (ring, tree, Rabenseifner: p); recursive doubling rounds
+    both partners' partials at every level (2·2^k − 1, plus the folded ranks)."""
+    if algorithm in ("allgather", "sparse_allgather"):
+        return 1
+    if algorithm in ("recursive_doubling", "auto"):
+        pof2 = 1 << (p.bit_length() - 1)
+        return 2 * pof2 - 1 + (p - pof2)
+    return p
+
+
+# -- a deterministic lossy codec: exact references ------------------------------------
+@pytest.mark.parametrize("p", [2, 3, 4, 5, 8])
+def test_gathered_route_is_rank_order_sum_of_decoded(p: int) -> None:
+    n, codec = 301, Grid(0.25)
+    res = _run(p, n, "allgather", codec, op="sum")
+    _same(res)
+    want = codec.decompress_sum([codec.compress(_input(r, n)) for r in range(p)])
+    assert res[0].tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("algorithm", HOP)
+@pytest.mark.parametrize("p", [2, 3, 4, 5, 6, 8])
+def test_lossy_per_hop_same_bytes_and_bound(p: int, algorithm: str) -> None:
+    """Grid rounding adds at most step/2 per element per compression stage."""
+    n, step = 97, 0.25
+    res = _run(p, n, algorithm, Grid(step), op="sum")
+    _same(res)
+    exact = sum(_input(r, n).astype(np.float64) for r in range(p))
+    assert np.max(np.abs(res[0] - exact)) <= _stages(algorithm, p) * step / 2 + 1e-5
+
+
+def test_rabenseifner_finished_windows_travel_uncompressed_again() -> None:
+    """The allgather phase forwards the owners' payloads: with a grid codec, a value off
+    the grid after the reduce-scatter is rounded exactly once."""
+    p, n = 8, 64
+    res = _run(p, n, "rabenseifner", Grid(1.0), op="sum",
+               inputs=lambda r: np.full(n, 0.125 if r == 0 else 0.0, np.float32))
+    _same(res)
+    assert np.all(res[0] == 0.0)
+
+
+# -- every registered codec x every algorithm ------------------------------------------
+def _bound(codec: Compressor, p: int, n: int, algorithm: str, seed: int) -> float:
+    """Relative error allowed vs the exact mean: the codec's own error on the rank inputs
+    (measured), times the number of compression stages on the way, plus slack."""
+    xs = [_input(r, n, seed) / np.float32(p) for r in range(p)]
+    single = max(_rel(codec.decompress(codec.compress(x, seed=(99, r))), x)
+                 for r, x in enumerate(xs))
+    spread = sum(np.linalg.norm(x) for x in xs) / np.linalg.norm(sum(xs))
+    return 2.0 * single * spread * _stages(algorithm, p) + 1e-6
+
+
+@pytest.mark.parametrize("algorithm", ALGOS)
+@pytest.mark.parametrize("name", LOSSY)
+def test_matrix_every_codec_every_algorithm(name: str, algorithm: str) -> None:
+    codec = compressors.get(name)
+    for p in range(1, 9):
+        n = 200 + 13 * p
+        res = _run(p, n, algorithm, codec, seed=p)
+        _same(res)
+        exact = sum(_input(r, n, p).astype(np.float64) for r in range(p)) / p
+        if p == 1:
+            assert np.array_equal(res[0], _input(0, n, 1))     # nothing to compress
+            continue
+        assert np.isfinite(res[0]).all()
+        assert _rel(res[0], exact) <= _bound(codec, p, n, algorithm, p), (p, name)
+
+
+@pytest.mark.parametrize("name", LOSSY)
+def test_matrix_narrow_dtypes(name: str) -> None:
+    for dtype in ("float16", "bfloat16", "float64"):
+        res = _run(3, 40, "auto", name, dtype=dtype)
+        _same(res)
+        assert res[0].dtype == (np.uint16 if dtype == "bfloat16" else np.dtype(dtype))
+
+
+# -- error feedback through the hops ------------------------------------------------------
+def _steps(p: int, n: int, algorithm: str, codec: Any, T: int, *, ef: bool = True,
+           seed: int = 0):
+    """T calls with fresh inputs; returns per-rank (outputs, inputs, ErrorFeedback)."""
+    def fn(t):
+        state = ErrorFeedback(enabled=ef)
+        outs, ins = [], []
+        for s in range(T):
+            g = _input(t.rank, n, seed + s) / np.float32(p)
+            ins.append(g.copy())
+            outs.append(C.compressed_allreduce(t, g, "float32", op="sum", algorithm=algorithm,
+                                               compressor=codec, residuals=state, key="w"))
+        return outs, ins, state
+    return run_ranks(p, fn, timeout=120)
+
+
+def _residual_sum(res, p: int, n: int, algorithm: str) -> np.ndarray:
+    """Σ of every residual, each placed where its hop sits and weighted by how many ranks
+    hold it (identical residuals on ranks that hold identical data count once)."""
+    total = np.zeros(n)
+    off = bounds(n, p)
+    for r, (_, _, state) in enumerate(res):
+        for name in state.names():
+            e = state._residuals[name].astype(np.float64)
+            hop = name.split("#")[1] if "#" in name else ""
+            if algorithm == "ring" and hop:
+                seg = (r - int(hop[1:])) % p if hop[0] == "e" else (r + 1) % p
+                total[off[seg]:off[seg + 1]] += e
+            elif algorithm == "recursive_doubling" and hop.startswith("f"):
+                total += e / 2 ** int(hop[1:])
+            else:
+                total += e                         # allgather: per rank; tree: per hop
+    return total
+
+
+@pytest.mark.parametrize("algorithm", ["allgather", "ring", "tree", "recursive_doubling"])
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_error_feedback_telescopes(p: int, algorithm: str) -> None:
+    """Σ outputs + Σ residuals = Σ inputs (up to float rounding), elementwise, for a codec
+    that drops a lot. Recursive doubling's finished-hop residual i is held, identically, by
+    the 2^i ranks that hold the same partial sum: it counts once."""
+    n, T = 50, 12
+    res = _steps(p, n, algorithm, Grid(0.5), T)
+    for r in range(p):
+        for s in range(T):
+            assert res[r][0][s].tobytes() == res[0][0][s].tobytes()
+    outs = sum(o.astype(np.float64) for o in res[0][0])
+    ins = sum(g.astype(np.float64) for r in range(p) for g in res[r][1])
+    resid = _residual_sum(res, p, n, algorithm)
+    np.testing.assert_allclose(outs + resid, ins, atol=1e-4)
+    assert np.abs(resid).max() > 0.01                # the codec really dropped something
+
+
+@pytest.mark.parametrize("name", LOSSY)
+def test_error_feedback_bounds_the_running_error(name: str) -> None:
+    """Per-hop re-compression error, measured and recorded: one step's relative error per
+    route, and the running-sum error after T steps with and without error feedback. With
+    error feedback the running sum stays within a few single-step errors (it does not
+    grow with T)."""
+    p, n, T = 4, 256, 24
+    codec = compressors.get(name)
+    rows = []
+    for algorithm in ("allgather", *HOP):
+        with_ef = _steps(p, n, algorithm, codec, T)
+        without = _steps(p, n, algorithm, codec, T, ef=False)
+        exact = [sum(with_ef[r][1][s].astype(np.float64) for r in range(p)) for s in range(T)]
+        one = np.mean([_rel(without[0][0][s], exact[s]) for s in range(T)])
+        run_ef = _rel(sum(with_ef[0][0]), sum(exact))
+        run_no = _rel(sum(without[0][0]), sum(exact))
+        rows.append((algorithm, one, run_ef, run_no))
+        assert run_ef <= max(0.5 * one, 1e-5) or run_ef <= 0.75 * run_no, rows[-1]
+    print(f"\n{name}: route, one-step rel. error, running-sum error after {T} steps "
+          "with / without error feedback")
+    for row in rows:
+        print("  %-20s %.4f  %.4f / %.4f" % row)
+
+
+# -- bytes on the wire --------------------------------------------------------------------
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_ring_bytes_stay_2_p_minus_1_over_p_of_compressed(p: int) -> None:
+    n, codec = 4096, Grid(0.25)
+
+    def fn(t):
+        t.stats.reset()
+        C.compressed_allreduce(t, _input(t.rank, n), "float32", op="sum", algorithm="ring",
+                               compressor=codec, check=False)
+        return t.stats.bytes_sent
+
+    sent = run_ranks(p, fn)
+    seg = -(-n // p)
+    frame = C.CompressedWire(codec, np.zeros(n, np.float32), None).bound(seg)
+    for s in sent:
+        assert s <= 2 * (p - 1) * frame
+        assert s >= 2 * (p - 1) * codec.max_nbytes(n // p)
+    assert frame - codec.max_nbytes(seg) <= 40          # framing overhead
+
+
+# -- what is refused, and how -------------------------------------------------------------
+def test_ops_dtypes_algorithms_refused_on_every_rank() -> None:
+    def fn(t, **kw):
+        args = dict(op="sum", algorithm="ring", compressor="none", dtype="float32")
+        args.update(kw)
+        dtype = args.pop("dtype")
+        x = np.ones(3, np.int32 if dtype == "int32" else np.float32)
+        try:
+            C.compressed_allreduce(t, x, dtype, **args)
+        except Exception as exc:               # noqa: BLE001 - the type is the point
+            return type(exc).__name__, str(exc)
+        return None, ""
+
+    cases = [({"op": "max"}, UnsupportedError, "sum, mean"),
+             ({"dtype": "int32"}, UnsupportedError, "floating"),
+             ({"algorithm": "native"}, UnsupportedError, "ring, tree"),
+             ({"algorithm": "star"}, ConfigError, "rabenseifner"),
+             ({"compressor": "nope"}, KeyError, "known"),
+             ({"seed": -1}, ConfigError, "seed")]
+    for kw, exc, text in cases:
+        for name, msg in run_ranks(3, lambda t: fn(t, **kw)):
+            assert name == exc.__name__ and text in msg, (kw, name, msg)
+
+
+@pytest.mark.parametrize("diff", ["compressor", "config", "step", "seed", "key"])
+def test_mismatch_raises_on_every_rank(diff: str) -> None:
+    def fn(t):
+        odd = t.rank == 2
+        kw: dict[str, Any] = dict(op="mean", algorithm="ring", compressor=Grid(0.25), seed=0,
+                                  key="w")
+        state = ErrorFeedback()
+        if diff == "compressor" and odd:
+            kw["compressor"] = "none"
+        if diff == "config" and odd:
+            kw["compressor"] = Grid(0.5)
+        if diff == "step" and odd:
+            state.advance("w")
+        if diff == "seed" and odd:
+            kw["seed"] = 1
+        if diff == "key" and odd:
+            kw["key"] = "v"
+        try:
+            C.compressed_allreduce(t, np.ones(8, np.float32), "float32", residuals=state, **kw)
+        except MismatchError as exc:
+            return str(exc)
+        return "no error"
+
+    for msg in run_ranks(4, fn):
+        assert "different arguments" in msg and diff in msg
+
+
+def test_hostile_frames_are_payload_errors() -> None:
+    codec = Grid(0.25)
+    base = np.zeros(10, np.float32)
+    w = C.CompressedWire(codec, base, C._Seeds(0, 0, "k", 0, False))
+    good = w.encode(base[:10])
+    w.reduce(good, base[:10], True)                 # a good frame decodes
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        bad = good.copy()
+        if trial % 3 == 0:
+            bad[rng.integers(0, bad.size)] ^= np.uint8(1 << rng.integers(0, 8))
+        elif trial % 3 == 1:
+            bad[: rng.integers(0, bad.size)] = rng.integers(0, 256, dtype=np.uint8)
+        else:
+            bad = rng.integers(0, 256, bad.size, dtype=np.uint8)
+        try:
+            w.reduce(bad, base[:10], True)
+        except PayloadError:
+            pass
+    with pytest.raises(PayloadError, match="covers 5 of 10"):
+        w.place(C.CompressedWire(codec, base, C._Seeds(0, 0, "k", 0, False)).final(base[:5]),
+                base[:10])
+
+
+def test_seeds_follow_the_contract() -> None:
+    s = C._Seeds(7, 3, "fc1.weight", rank=2, shared=False)
+    assert s.whole() == (7, 3, zlib.crc32(b"fc1.weight"), 2)
+    shared = C._Seeds(7, 3, "fc1.weight", rank=2, shared=True)
+    assert shared.whole() == (7, 3, zlib.crc32(b"fc1.weight"))
+    seg = np.arange(8, dtype=np.float32)
+    assert s.final(0, 8, 1, seg) == C._Seeds(7, 3, "fc1.weight", 5, False).final(0, 8, 1, seg)
+
+
+def test_auto_table() -> None:
+    def pick(name, p, n, **opts):
+        codec = compressors.get(name, **opts) if isinstance(name, str) else name
+        return run_ranks(p, lambda t: C._choose(t, codec, n, "float32", 4))[0]
+
+    assert pick("none", 4, 10) == "recursive_doubling"
+    assert pick("none", 4, 10 ** 6) == "rabenseifner"
+    assert pick("none", 3, 10 ** 6) == "ring"
+    assert pick(Grid(), 4, 10 ** 6) in ("ring", "rabenseifner")    # p·c > 2·d
+    if "topk" in compressors.names():
+        assert pick("topk", 8, 10 ** 6) == "sparse_allgather"

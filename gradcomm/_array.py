@@ -144,3 +144,123 @@ def from_flat(buf: np.ndarray, meta: Meta) -> Any:
 def empty(meta: Meta) -> Any:
     """A new uninitialised array of the kind, dtype, shape and device ``meta`` describes."""
     return from_flat(np.empty(meta.count, STORAGE[meta.dtype]), meta)
+
+
+# -- device arrays (CUDA) -------------------------------------------------------------------
+# A CUDA array is staged through host memory (``to_flat`` / ``from_flat`` above: the copies
+# wait for the producing stream) unless the transport moves device buffers itself
+# (``"cuda" in transport.devices``, e.g. a CUDA-aware MPI); then it stays on its device as
+# a flat cupy array (torch tensors are shared with cupy through DLPack), the collectives'
+# numpy calls dispatch to cupy, and :func:`sync` is called before a library touches it.
+
+def cuda_usable(lib: str) -> bool:
+    """Whether CUDA works through ``lib`` ("torch" or "cupy"): importable AND a device is
+    usable (``import cupy`` may succeed on a machine without a GPU).
+
+    Example:
+        >>> cuda_usable("numpy")
+        False
+    """
+    try:
+        if lib == "torch":
+            import torch
+
+            return bool(torch.cuda.is_available())
+        if lib == "cupy":
+            import cupy
+
+            return bool(cupy.cuda.is_available())
+    except Exception:  # a broken CUDA install raises all sorts of errors: not usable
+        return False
+    return False
+
+
+def placement(meta: Meta, devices: frozenset[str] | set[str]) -> str:
+    """Where the collective should work on an array described by ``meta``: "host" or
+    "device" (device arrays stay on the device only if the transport moves device
+    buffers and cupy can run the arithmetic there).
+
+    Example:
+        >>> placement(Meta("torch", "float32", (2,), "cuda:0"), {"cpu"})
+        'host'
+        >>> placement(Meta("numpy", "float32", (2,)), {"cpu", "cuda"})
+        'host'
+    """
+    if meta.device == "cpu" or "cuda" not in devices:
+        return "host"
+    return "device" if cuda_usable("cupy") else "host"
+
+
+def to_flat_for(x: Any, devices: frozenset[str] | set[str]) -> tuple[Any, Meta]:
+    """:func:`to_flat`, except that a CUDA array stays on its device when
+    :func:`placement` says so: a fresh flat cupy array in the storage dtype, with the
+    stream that produced ``x`` synchronised. ``x`` is never modified or aliased.
+
+    Example:
+        >>> import numpy as np
+        >>> buf, meta = to_flat_for(np.ones((2, 2), np.float32), {"cpu", "cuda"})
+        >>> type(buf).__name__, buf.shape
+        ('ndarray', (4,))
+    """
+    meta = meta_of(x)
+    if placement(meta, devices) == "host":
+        return to_flat(x)
+    import cupy
+
+    with cupy.cuda.Device(int(meta.device.split(":")[1])):
+        if meta.kind == "cupy":
+            buf = cupy.array(x, copy=True, order="C").reshape(-1)
+        else:
+            import torch
+
+            t = x.detach().contiguous()
+            if meta.dtype == "bfloat16":
+                t = t.view(torch.int16)
+            buf = cupy.from_dlpack(t).reshape(-1).copy()     # DLPack orders the streams
+            if meta.dtype == "bfloat16":
+                buf = buf.view(cupy.uint16)
+        sync(buf)
+    return buf, meta
+
+
+def is_device(buf: Any) -> bool:
+    """True for a device (cupy) buffer, False for a host (numpy) one."""
+    return not isinstance(buf, np.ndarray) and kind(buf) == "cupy"
+
+
+def sync(buf: Any) -> None:
+    """Wait until the work queued on the current CUDA stream (which may still write
+    ``buf``) is done, so that a library such as MPI may touch ``buf``. No-op on host
+    arrays.
+
+    Example:
+        >>> import numpy as np
+        >>> sync(np.zeros(3))
+    """
+    if isinstance(buf, np.ndarray):
+        return
+    cupy = sys.modules.get("cupy")
+    if cupy is not None and isinstance(buf, cupy.ndarray):
+        cupy.cuda.get_current_stream().synchronize()
+        return
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(buf, torch.Tensor) and buf.is_cuda:
+        torch.cuda.current_stream(buf.device).synchronize()
+
+
+def from_device_flat(buf: Any, meta: Meta) -> Any:
+    """Wrap a flat device (cupy) storage buffer from :func:`to_flat_for` as ``meta`` says
+    (no copy): a cupy array, or a torch CUDA tensor sharing its memory through DLPack.
+    Host buffers go to :func:`from_flat`.
+    """
+    if isinstance(buf, np.ndarray):
+        return from_flat(buf, meta)
+    if meta.kind == "cupy":
+        return buf.reshape(meta.shape)
+    import torch
+
+    if meta.dtype == "bfloat16":
+        import cupy
+
+        return torch.from_dlpack(buf.view(cupy.int16)).view(torch.bfloat16).reshape(meta.shape)
+    return torch.from_dlpack(buf).reshape(meta.shape)

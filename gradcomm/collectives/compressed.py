@@ -195,6 +195,15 @@ class CompressedWire:
         for off in [o for o, (m, _) in self._finished.items() if o < hi and o + m > lo]:
             del self._finished[off]
 
+    def _hop_residual(self, name: str, off: int, n: int, dtype: Any) -> np.ndarray:
+        """The residual of one hop; a residual store with ``locate(name, offset)`` (the DDP
+        hook's) is told where the hop's segment starts, to map it back to positions."""
+        assert self.ef is not None
+        locate = getattr(self.ef, "locate", None)
+        if locate is not None:
+            locate(name, off)
+        return self.ef.residual(name, n, dtype)
+
     # -- frames ---------------------------------------------------------------------------
     def _frame(self, parts: list[tuple[int, int, np.ndarray]], size: int) -> np.ndarray:
         out = np.zeros(size, np.uint8)
@@ -269,7 +278,7 @@ class CompressedWire:
         if self.ef is None:
             data = self._compress(seg, seed, n)
         else:
-            e = self.ef.residual(f"{self.key}{HOP_SEP}e{hop}", n, seg.dtype)
+            e = self._hop_residual(f"{self.key}{HOP_SEP}e{hop}", off, n, seg.dtype)
             np.add(seg, e, out=e)
             data = self._compress(e, seed, n)
             dec = self._scratch_of(0, n)
@@ -302,7 +311,7 @@ class CompressedWire:
             if self.codec.lossy:
                 self._decode(data, seg)
         else:
-            e = self.ef.residual(f"{self.key}{HOP_SEP}f{hop}", n, seg.dtype)
+            e = self._hop_residual(f"{self.key}{HOP_SEP}f{hop}", off, n, seg.dtype)
             np.add(seg, e, out=e)
             data = self._compress(e, seed, n)
             self._decode(data, seg)

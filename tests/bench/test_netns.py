@@ -94,3 +94,26 @@ def test_rate_parsing_and_tbf_sizing():
         assert limit >= 2 * 4 * 2**20                             # two TSQ budgets
     with pytest.raises(ValueError, match="exactly 2 ranks"):
         netns.Network(3, "1gbit", topology="direct")
+
+
+@pytest.mark.timeout(90)
+def test_train_over_the_emulated_link_counts_nic_bytes(tmp_path):
+    """bench/train.py end to end: mpirun + gloo in namespaces; dense DDP moves the gradient
+    once per step per rank (ring at p=2), PyTorch's fp16 hook half of it; gradcomm's
+    uncompressed hook trains bitwise like DDP."""
+    pytest.importorskip("torch")
+    pytest.importorskip("sklearn")
+    out = tmp_path / "train.json"
+    width = 512
+    params = 64 * width + width + width * width + width + width * 10 + 10
+    p = subprocess.run([sys.executable, str(_PATH.parent / "train.py"), "--rate", "1gbit",
+                        "--steps", "6", "--warmup", "2", "--width", str(width),
+                        "--variants", "ddp,torch-fp16,gc-none", "--json", str(out)],
+                       capture_output=True, text=True, timeout=85)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    rows = {r["variant"]: r for r in netns.json.loads(out.read_text())["rows"]}
+    grad = 4 * params
+    assert all(r["replicas_identical"] for r in rows.values())
+    assert 1.0 <= rows["ddp"]["tx_bytes_per_step"] / grad < 1.15, rows["ddp"]
+    assert 0.5 <= rows["torch-fp16"]["tx_bytes_per_step"] / grad < 0.6, rows["torch-fp16"]
+    assert rows["gc-none"]["train_loss"] == rows["ddp"]["train_loss"]

@@ -163,7 +163,10 @@ class CompressedWire:
         self.ef = ef if (ef is not None and ef.enabled and codec.lossy) else None
         self.key = key
         self._bounds: dict[tuple[int, int], int] = {}
-        self._gap = _round8(max_nbytes(codec, 1, self.dtype)) + 8
+        self._maxes: dict[int, int] = {}
+        # bytes a part may need beyond its share of max_nbytes(n): a header, one block of
+        # rounding, and wider integers in the header (msgpack ints grow to 9 bytes)
+        self._gap = _round8(self._max(1)) + 48
         self._finished: dict[int, tuple[int, np.ndarray]] = {}   # offset -> (n, payload)
         self._scratch: list[np.ndarray | None] = [None, None, None]
         self._partial_hops = 0
@@ -174,10 +177,16 @@ class CompressedWire:
         """Frame bytes for ``n`` elements in up to ``parts`` parts."""
         b = self._bounds.get((n, parts))
         if b is None:
-            b = (_HDR.size + _PART.size * parts + _round8(max_nbytes(self.codec, n, self.dtype))
+            b = (_HDR.size + _PART.size * parts + _round8(self._max(n))
                  + (parts - 1) * self._gap)
             self._bounds[(n, parts)] = b
         return b
+
+    def _max(self, n: int) -> int:
+        m = self._maxes.get(n)
+        if m is None:
+            m = self._maxes[n] = max_nbytes(self.codec, n, self.dtype)
+        return m
 
     def _scratch_of(self, slot: int, n: int) -> np.ndarray:
         s = self._scratch[slot]
@@ -261,7 +270,7 @@ class CompressedWire:
 
     def _compress(self, x: np.ndarray, seed: tuple[int, ...], n: int) -> np.ndarray:
         data = self.codec.compress(x, seed=seed).to_bytes()
-        if data.size > max_nbytes(self.codec, n, self.dtype):
+        if data.size > self._max(n):
             raise PayloadError(f"{self.codec.name} produced {data.size} bytes for {n} "
                                f"elements, above its declared max_nbytes")
         return data

@@ -180,6 +180,27 @@ def test_matrix_narrow_dtypes(name: str) -> None:
         assert res[0].dtype == (np.uint16 if dtype == "bfloat16" else np.dtype(dtype))
 
 
+@pytest.mark.parametrize("name", LOSSY + ("grid",))
+def test_rabenseifner_forwards_owner_payloads(name: str) -> None:
+    """Finished windows travel as the owners' payloads (no re-compression): each rank
+    compresses exactly one finished segment, its own, even for large counts."""
+    codec = Grid() if name == "grid" else compressors.get(name)
+    for p, n in ((4, 100_003), (8, 1001), (6, 5000)):
+        def fn(t):
+            state = ErrorFeedback()
+            out = C.compressed_allreduce(t, _input(t.rank, n), "float32", op="mean",
+                                         algorithm="rabenseifner", compressor=codec,
+                                         residuals=state, key="w")
+            return out, [k for k in state.names() if "#f" in k]
+
+        res = run_ranks(p, fn)
+        _same([o for o, _ in res])
+        pof2 = 1 << (p.bit_length() - 1)
+        for r, (_, finals) in enumerate(res):
+            folded = r < 2 * (p - pof2) and r % 2 == 0
+            assert finals == ([] if folded else ["w#f0"]), (p, r, finals)
+
+
 # -- error feedback through the hops ------------------------------------------------------
 def _steps(p: int, n: int, algorithm: str, codec: Any, T: int, *, ef: bool = True,
            seed: int = 0):

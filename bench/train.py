@@ -307,11 +307,15 @@ def print_table(rows: list[dict[str, Any]], summary: dict[str, Any], header: str
         mbs = f"{mb / 1e6:8.2f}" if mb is not None else f"{'-':>8s}"
         print(f"{r['variant']:30s} {1e3 * r['step_s_mean']:8.1f} {1e3 * r['step_s_p50']:8.1f} "
               f"{mbs} {100 * r['test_acc']:6.2f} {r.get('acc_gap_pts', 0):+6.2f} "
-              f"{r.get('speedup_vs_torch_fp16', float('nan')):6.2f}x "
-              f"{r.get('speedup_vs_ddp', float('nan')):6.2f}x {r['train_loss']:7.4f} "
+              f"{_x(r.get('speedup_vs_torch_fp16'))} {_x(r.get('speedup_vs_ddp'))} "
+              f"{r['train_loss']:7.4f} "
               f"{'yes' if r['replicas_identical'] else 'NO'}")
     if summary:
         print("# summary: " + json.dumps(summary))
+
+
+def _x(v: float | None) -> str:
+    return f"{v:6.2f}x" if v is not None else f"{'-':>7s}"
 
 
 # ------------------------------------------------------------------ rank entry point

@@ -276,3 +276,19 @@ def test_compressed_rows_report_error_and_identical_bytes(tmp_path):
         assert (r["rel_err"] is None) == (r["compressor"] is None)
         if r["compressor"] is not None:
             assert r["rel_err"] < 1 and r["extra"]["compression_ratio"] > 1
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None or
+                    importlib.util.find_spec("gradcomm.comm.torch_dist") is None,
+                    reason="torch / the torch transport not installed")
+def test_bare_torch_transport_starts_gloo_processes(tmp_path):
+    out = tmp_path / "t.json"
+    p = _run([sys.executable, "-m", "gradcomm.bench", "--transport", "torch", "--sizes", "4K",
+              "--iters", "2", "--warmup", "1", "--algorithms", "ring,native", "--json",
+              str(out)], timeout=80)
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(out.read_text())
+    rows = _check_doc(doc, 2, "torch", 1)
+    assert [r["algorithm"] for r in rows] == ["dist.all_reduce", "ring", "native"]
+    assert p.stdout.count("# summary:") == 1

@@ -213,7 +213,8 @@ def environment(t: Any, launcher: str) -> dict[str, Any]:
             "platform": platform.platform(), "cpus": os.cpu_count(),
             "loadavg_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-            "versions": versions, "argv": sys.argv[1:]}
+            "versions": versions, "argv": sys.argv[1:],
+            "launch_command": os.environ.get(launch.LAUNCH_ENV)}
 
 
 def _banner(env: dict[str, Any], plan: Plan) -> list[str]:

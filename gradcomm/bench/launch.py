@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shlex
 import shutil
 import socket
 import subprocess
@@ -33,6 +34,8 @@ from ..errors import ConfigError, UnsupportedError
 #: environment variables that MPI launchers set in every process they start
 MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE", "PMI_RANK", "MV2_COMM_WORLD_SIZE",
            "MPI_LOCALNRANKS")
+#: the command a bare run re-executed itself with (recorded in the JSON environment)
+LAUNCH_ENV = "GRADCOMM_BENCH_LAUNCH"
 
 
 def detect_launcher(env: Mapping[str, str] | None = None) -> str | None:
@@ -74,6 +77,7 @@ def mpiexec_command(mpiexec: str, np_: int, child: Sequence[str],
             env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     cmd = [mpiexec, "-n", str(np_), *flags, *extra, sys.executable, "-m", "gradcomm.bench",
            *child]
+    env[LAUNCH_ENV] = shlex.join(cmd)
     return cmd, env
 
 
@@ -106,8 +110,9 @@ def run_torch_processes(np_: int, child: Sequence[str]) -> int:
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(np_), LOCAL_RANK=str(r),
                    LOCAL_WORLD_SIZE=str(np_), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         env.setdefault("OMP_NUM_THREADS", "1")
-        procs.append(subprocess.Popen([sys.executable, "-m", "gradcomm.bench", *child],
-                                      env=env))
+        cmd = [sys.executable, "-m", "gradcomm.bench", *child]
+        env[LAUNCH_ENV] = f"{np_} processes: " + shlex.join(cmd)
+        procs.append(subprocess.Popen(cmd, env=env))
     rc = 0
     try:
         while any(p.poll() is None for p in procs):

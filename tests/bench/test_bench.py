@@ -116,6 +116,7 @@ def test_bare_command_starts_its_own_mpi_ranks(tmp_path):
     assert p.returncode == 0, p.stderr
     doc = json.loads(out.read_text())
     assert doc["environment"]["transport"] == "mpi" and doc["environment"]["ranks"] == 2
+    assert " -n 2 " in doc["environment"]["launch_command"]
     assert [r["algorithm"] for r in doc["rows"]] == ["MPI_Allreduce", "recursive_doubling",
                                                       "native"]
     assert all(r["wrong"] == 0 and r["dtype"] == "int32" for r in doc["rows"])

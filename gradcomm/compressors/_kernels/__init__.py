@@ -1,0 +1,52 @@
+"""Codec kernels: a pure-numpy path that is always correct and a numba path that is fast.
+
+Both implement the same functions with the same floating-point operations in the same
+order, so they produce identical bytes (tested). :func:`get` returns the numba module when
+numba is installed (the ``fast`` extra) and the numpy module otherwise; the environment
+variable ``GRADCOMM_KERNELS=numpy|numba|auto`` overrides the choice. numba is imported on
+the first codec call, not when gradcomm is imported; compiled kernels are cached on disk.
+
+Example:
+    >>> k = get("numpy")
+    >>> k.NAME
+    'numpy'
+    >>> get().NAME in available()
+    True
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+
+from ...errors import ConfigError
+
+_cache: dict[str, ModuleType | None] = {}
+
+
+def _load(name: str) -> ModuleType | None:
+    if name not in _cache:
+        try:
+            _cache[name] = importlib.import_module(f"{__name__}._{name}")
+        except ImportError:
+            _cache[name] = None
+    return _cache[name]
+
+
+def available() -> tuple[str, ...]:
+    """Kernel paths usable here (``numpy`` always)."""
+    return tuple(n for n in ("numba", "numpy") if _load(n) is not None)
+
+
+def get(name: str | None = None) -> ModuleType:
+    """The kernel module ``name`` ("numpy", "numba", or None/"auto" for the best one)."""
+    name = name or os.environ.get("GRADCOMM_KERNELS", "auto") or "auto"
+    if name == "auto":
+        return _load("numba") or _load("numpy")
+    if name not in ("numpy", "numba"):
+        raise ConfigError(f"kernel path must be 'numpy', 'numba' or 'auto', got {name!r}")
+    mod = _load(name)
+    if mod is None:
+        raise ConfigError(f"kernel path {name!r} is not available (install gradcomm[fast])")
+    return mod

@@ -1,0 +1,782 @@
+"""numba kernels: the same definitions as :mod:`._numpy`, fused per bucket, at memory speed.
+
+Every function mirrors its numpy twin operation for operation (no fastmath, so no
+reassociation or FMA contraction), which is what makes the bytes identical. Loops run over
+slices starting at 0 (numba then proves indices non-negative and LLVM vectorizes them);
+min/max go through integer keys (float min/max reductions do not vectorize).
+JIT-compiled on first use and cached on disk (``cache=True``).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+if sys.byteorder != "little":                            # pragma: no cover
+    raise ImportError("the numba kernels assume a little-endian machine")
+
+NAME = "numba"
+_F32_NAN = np.float32(np.nan)
+_KEY_PINF = np.int32(0x7F800000)
+_KEY_NINF = np.int32(-0x7F800001)
+_FLT_MAX = float(np.finfo(np.float32).max)
+LANES = 64
+_JIT = dict(cache=True, nogil=True, error_model="numpy")
+
+
+# --- random stream --------------------------------------------------------------------
+
+@njit(inline="always", **_JIT)
+def _philox(c0, c1, c2, c3, k0, k1):
+    for _ in range(10):
+        p0 = np.uint64(0xD2511F53) * np.uint64(c0)
+        p1 = np.uint64(0xCD9E8D57) * np.uint64(c2)
+        c0, c1, c2, c3 = (np.uint32(p1 >> np.uint64(32)) ^ np.uint32(c1) ^ np.uint32(k0),
+                          np.uint32(p1 & np.uint64(0xFFFFFFFF)),
+                          np.uint32(p0 >> np.uint64(32)) ^ np.uint32(c3) ^ np.uint32(k1),
+                          np.uint32(p0 & np.uint64(0xFFFFFFFF)))
+        k0 = np.uint32(np.uint32(k0) + np.uint32(0x9E3779B9))
+        k1 = np.uint32(np.uint32(k1) + np.uint32(0xBB67AE85))
+    return np.uint32(c0), np.uint32(c1), np.uint32(c2), np.uint32(c3)
+
+
+@njit(**_JIT)
+def _fill_words(key, block0, out):
+    """out[4j .. 4j+3] = block ``block0 + j`` of the stream."""
+    k0, k1, c2, c3 = key[0], key[1], key[2], key[3]
+    for j in range(out.size // 4):
+        b = np.uint64(block0 + j)
+        w0, w1, w2, w3 = _philox(np.uint32(b & np.uint64(0xFFFFFFFF)),
+                                 np.uint32(b >> np.uint64(32)), c2, c3, k0, k1)
+        out[4 * j] = w0
+        out[4 * j + 1] = w1
+        out[4 * j + 2] = w2
+        out[4 * j + 3] = w3
+
+
+def philox_words(key: np.ndarray, start: int, count: int) -> np.ndarray:
+    b0 = start // 4
+    nblk = (start + count + 3) // 4 - b0
+    buf = np.empty(nblk * 4, np.uint32)
+    _fill_words(key.astype(np.uint32), b0, buf)
+    return buf[start - 4 * b0:start - 4 * b0 + count].copy()
+
+
+@njit(inline="always", **_JIT)
+def _fill_bucket_words(key, start, m, w):
+    """w[0 : 4*ceil(m/8)] = stream words of elements start .. start+m-1 (start % 8 == 0);
+    element i's dither is then ``_u(w.view(uint16)[i])``."""
+    g0 = start // 8
+    for t in range((m + 7) // 8):
+        b = np.uint64(g0 + t)
+        w0, w1, w2, w3 = _philox(np.uint32(b & np.uint64(0xFFFFFFFF)),
+                                 np.uint32(b >> np.uint64(32)), key[2], key[3], key[0], key[1])
+        w[4 * t] = w0
+        w[4 * t + 1] = w1
+        w[4 * t + 2] = w2
+        w[4 * t + 3] = w3
+
+
+@njit(inline="always", **_JIT)
+def _u(h):
+    return np.float32(h) * np.float32(1.52587890625e-05) + np.float32(7.62939453125e-06)
+
+
+# --- bit packing ----------------------------------------------------------------------
+
+@njit(inline="always", **_JIT)
+def _pack_into(c, m, bits, out):
+    """codes c[0:m] -> out[0:ceil(m*bits/8)] (out starts at a group boundary)."""
+    if bits == 8:
+        for i in range(m):
+            out[i] = c[i]
+        return
+    full = m // 8
+    if bits == 1:
+        for t in range(full):
+            out[t] = (c[8 * t] | (c[8 * t + 1] << 1) | (c[8 * t + 2] << 2) |
+                      (c[8 * t + 3] << 3) | (c[8 * t + 4] << 4) | (c[8 * t + 5] << 5) |
+                      (c[8 * t + 6] << 6) | (c[8 * t + 7] << 7))
+    elif bits == 2:
+        for t in range(2 * full):
+            out[t] = (c[4 * t] | (c[4 * t + 1] << 2) | (c[4 * t + 2] << 4) |
+                      (c[4 * t + 3] << 6))
+    elif bits == 4:
+        for t in range(4 * full):
+            out[t] = c[2 * t] | (c[2 * t + 1] << 4)
+    else:
+        for t in range(full):
+            w = np.uint64(0)
+            for j in range(8):
+                w |= np.uint64(c[8 * t + j]) << np.uint64(bits * j)
+            for q in range(bits):
+                out[t * bits + q] = np.uint8((w >> np.uint64(8 * q)) & np.uint64(0xFF))
+    r = m - 8 * full
+    if r:
+        w = np.uint64(0)
+        for j in range(r):
+            w |= np.uint64(c[8 * full + j]) << np.uint64(bits * j)
+        for q in range((r * bits + 7) // 8):
+            out[full * bits + q] = np.uint8((w >> np.uint64(8 * q)) & np.uint64(0xFF))
+
+
+@njit(inline="always", **_JIT)
+def _unpack_into(p, m, bits, c):
+    """inverse of _pack_into: p[0:ceil(m*bits/8)] -> c[0:m]."""
+    if bits == 8:
+        for i in range(m):
+            c[i] = p[i]
+        return
+    full = m // 8
+    mask = np.uint8((1 << bits) - 1)
+    if bits == 1:
+        for t in range(full):
+            byte = p[t]
+            for j in range(8):
+                c[8 * t + j] = (byte >> np.uint8(j)) & np.uint8(1)
+    elif bits == 2:
+        for t in range(2 * full):
+            byte = p[t]
+            for j in range(4):
+                c[4 * t + j] = (byte >> np.uint8(2 * j)) & np.uint8(3)
+    elif bits == 4:
+        for t in range(4 * full):
+            byte = p[t]
+            c[2 * t] = byte & np.uint8(15)
+            c[2 * t + 1] = byte >> np.uint8(4)
+    else:
+        for t in range(full):
+            w = np.uint64(0)
+            for q in range(bits):
+                w |= np.uint64(p[t * bits + q]) << np.uint64(8 * q)
+            for j in range(8):
+                c[8 * t + j] = np.uint8(w >> np.uint64(bits * j)) & mask
+    r = m - 8 * full
+    if r:
+        w = np.uint64(0)
+        for q in range((r * bits + 7) // 8):
+            w |= np.uint64(p[full * bits + q]) << np.uint64(8 * q)
+        for j in range(r):
+            c[8 * full + j] = np.uint8(w >> np.uint64(bits * j)) & mask
+
+
+@njit(**_JIT)
+def _pack(codes, bits, out):
+    _pack_into(codes, codes.size, bits, out)
+
+
+@njit(**_JIT)
+def _unpack(packed, n, bits, out):
+    _unpack_into(packed, n, bits, out)
+
+
+def pack(codes: np.ndarray, bits: int, out: np.ndarray | None = None) -> np.ndarray:
+    if out is None:
+        out = np.empty((codes.size * bits + 7) // 8, np.uint8)
+    _pack(codes, bits, out)
+    return out
+
+
+def unpack(packed: np.ndarray, n: int, bits: int) -> np.ndarray:
+    out = np.empty(n, np.uint8)
+    _unpack(packed, n, bits, out)
+    return out
+
+
+# --- float casts ------------------------------------------------------------------------
+
+@intrinsic
+def _f32_to_f16_bits(typingctx, x):
+    """IEEE float32 -> float16 bits (LLVM fptrunc: F16C's vcvtps2ph on x86)."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+    return types.uint16(types.float32), codegen
+
+
+@intrinsic
+def _f16_bits_to_f32(typingctx, x):
+    if x != types.uint16:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+    return types.float32(types.uint16), codegen
+
+
+@njit(**_JIT)
+def _f32_to_f16(x, out):
+    for i in range(x.size):
+        v = x[i]
+        h = _f32_to_f16_bits(v)
+        out[i] = h if v == v else (np.uint16(0xFE00) if np.signbit(v) else np.uint16(0x7E00))
+
+
+@njit(**_JIT)
+def _f16_to_f32(h, out):
+    ob = out.view(np.uint32)
+    for i in range(h.size):
+        v = h[i]
+        f = _f16_bits_to_f32(v)
+        out[i] = f
+        if f != f:
+            ob[i] = np.uint32(0xFFC00000) if v & np.uint16(0x8000) else np.uint32(0x7FC00000)
+
+
+def _probe_f16() -> bool:
+    """True if LLVM lowers the half casts here (a CPU without F16C needs a libcall)."""
+    try:
+        x = np.array([1.5, -np.inf, 65520.0, 1e-7, np.nan], np.float32)
+        h = np.empty(5, np.uint16)
+        _f32_to_f16(x, h)
+        y = np.empty(5, np.float32)
+        _f16_to_f32(h, y)
+        return h.tolist() == [0x3E00, 0xFC00, 0x7C00, 0x0002, 0x7E00] and y[0] == 1.5
+    except Exception:                                    # pragma: no cover - exotic CPUs
+        return False
+
+
+_F16_OK: list[bool] = []
+
+
+def f32_to_f16(x, out):
+    if not _F16_OK:
+        _F16_OK.append(_probe_f16())
+    if _F16_OK[0]:
+        _f32_to_f16(x, out)
+    else:                                                # pragma: no cover
+        from . import _numpy
+        _numpy.f32_to_f16(x, out)
+
+
+def f16_to_f32(h, out):
+    if not _F16_OK:
+        _F16_OK.append(_probe_f16())
+    if _F16_OK[0]:
+        _f16_to_f32(h, out)
+    else:                                                # pragma: no cover
+        from . import _numpy
+        _numpy.f16_to_f32(h, out)
+
+
+@njit(**_JIT)
+def f32_to_bf16(x, out):
+    xb = x.view(np.uint32)
+    for i in range(xb.size):
+        b = xb[i]
+        if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+            out[i] = np.uint16((b >> np.uint32(16)) | np.uint32(0x40))
+        else:
+            out[i] = np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1)))
+                               >> np.uint32(16))
+
+
+@njit(**_JIT)
+def bf16_to_f32(h, out):
+    ob = out.view(np.uint32)
+    for i in range(h.size):
+        ob[i] = np.uint32(h[i]) << np.uint32(16)
+
+
+# --- bucket statistics ------------------------------------------------------------------
+
+@njit(inline="always", **_JIT)
+def _fold(acc):
+    h = LANES // 2
+    while h:
+        for j in range(h):
+            acc[j] += acc[j + h]
+        h //= 2
+    return acc[0]
+
+
+@njit(inline="always", **_JIT)
+def _key_minmax(ks, m):
+    lo_k = np.int32(0x7FFFFFFF)
+    hi_k = np.int32(-0x80000000)
+    for i in range(m):
+        v = ks[i]
+        k = v ^ ((v >> np.int32(31)) & np.int32(0x7FFFFFFF))
+        lo_k = min(lo_k, k)
+        hi_k = max(hi_k, k)
+    return np.int32(lo_k), np.int32(hi_k)
+
+
+@njit(inline="always", **_JIT)
+def _unkey(k, one):
+    one[0] = k ^ ((k >> np.int32(31)) & np.int32(0x7FFFFFFF))
+    return one.view(np.float32)[0]
+
+
+# --- int8: per-bucket min/max --------------------------------------------------------------
+
+@njit(**_JIT)
+def _minmax_encode(x, bs, bits, stochastic, key, lo_out, unit_out, packed):
+    n = x.size
+    L = (1 << bits) - 1
+    fL = np.float32(L)
+    zero = np.float32(0.0)
+    xi = x.view(np.int32)
+    c = np.empty(bs, np.uint8)
+    w = np.empty(bs // 2 + 4, np.uint32)
+    wh = w.view(np.uint16)
+    one = np.empty(1, np.int32)
+    for b in range((n + bs - 1) // bs):
+        s = b * bs
+        m = min(bs, n - s)
+        xs = x[s:s + m]
+        lo_k, hi_k = _key_minmax(xi[s:s + m], m)
+        bad = hi_k >= _KEY_PINF or lo_k <= _KEY_NINF
+        lo = _unkey(lo_k, one)
+        hi = _unkey(hi_k, one)
+        rng = np.float64(hi) - np.float64(lo)
+        ok = (not bad) and rng > 0
+        lo_out[b] = _F32_NAN if bad else lo
+        unit_out[b] = _F32_NAN if bad else np.float32(rng / L)
+        if not ok:
+            c[:m] = 0
+        else:
+            inv = np.float32(min(L / rng, _FLT_MAX))
+            if stochastic:
+                _fill_bucket_words(key, s, m, w)
+                for i in range(m):
+                    q = np.floor((xs[i] - lo) * inv + _u(wh[i]))
+                    c[i] = np.uint8(min(max(q, zero), fL))
+            else:
+                for i in range(m):
+                    q = np.floor((xs[i] - lo) * inv + np.float32(0.5))
+                    c[i] = np.uint8(min(max(q, zero), fL))
+        _pack_into(c, m, bits, packed[(s // 8) * bits:])
+
+
+def minmax_encode(x, bs, bits, stochastic, key, lo_out, unit_out, packed):
+    if x.size:
+        _minmax_encode(x, bs, bits, stochastic, key, lo_out, unit_out, packed)
+
+
+@njit(**_JIT)
+def _minmax_decode(packed, n, bs, bits, lo, unit, out):
+    c = np.empty(bs, np.uint8)
+    for b in range((n + bs - 1) // bs):
+        s = b * bs
+        m = min(bs, n - s)
+        o = out[s:s + m]
+        lb, ub = lo[b], unit[b]
+        if bits == 8:
+            p = packed[s:s + m]
+            for i in range(m):
+                o[i] = lb + np.float32(p[i]) * ub
+        else:
+            _unpack_into(packed[(s // 8) * bits:], m, bits, c)
+            for i in range(m):
+                o[i] = lb + np.float32(c[i]) * ub
+    return 0
+
+
+def minmax_decode(packed, n, bs, bits, lo, unit, out):
+    return _minmax_decode(packed, n, bs, bits, lo, unit, out) if n else 0
+
+
+# --- int8 with a fixed, shared scale ----------------------------------------------------------
+
+_FIXED_BLOCK = 4096
+
+
+@njit(**_JIT)
+def _fixed_encode(x, bits, scale, stochastic, key, packed):
+    n = x.size
+    L = (1 << (bits - 1)) - 1
+    fL = np.float32(L)
+    mul = np.float32(min(L / scale, _FLT_MAX))
+    c = np.empty(_FIXED_BLOCK, np.uint8)
+    w = np.empty(_FIXED_BLOCK // 2 + 4, np.uint32)
+    wh = w.view(np.uint16)
+    for s in range(0, n, _FIXED_BLOCK):
+        m = min(_FIXED_BLOCK, n - s)
+        xs = x[s:s + m]
+        if stochastic:
+            _fill_bucket_words(key, s, m, w)
+        for i in range(m):
+            v = xs[i]
+            u = _u(wh[i]) if stochastic else np.float32(0.5)
+            q = min(max(np.floor(v * mul + u), -fL), fL) + fL
+            c[i] = np.uint8(q) if np.isfinite(v) else np.uint8(2 * L + 1)
+        _pack_into(c, m, bits, packed[(s // 8) * bits:])
+
+
+def fixed_encode(x, bits, scale, stochastic, key, packed):
+    if x.size:
+        _fixed_encode(x, bits, scale, stochastic, key, packed)
+
+
+@njit(**_JIT)
+def _fixed_decode(packed, n, bits, scale, out):
+    L = (1 << (bits - 1)) - 1
+    step = np.float32(scale / L)
+    c = np.empty(_FIXED_BLOCK, np.uint8)
+    for s in range(0, n, _FIXED_BLOCK):
+        m = min(_FIXED_BLOCK, n - s)
+        _unpack_into(packed[(s // 8) * bits:], m, bits, c)
+        o = out[s:s + m]
+        for i in range(m):
+            v = (np.float32(c[i]) - np.float32(L)) * step
+            o[i] = _F32_NAN if c[i] == 2 * L + 1 else v
+    return 0
+
+
+def fixed_decode(packed, n, bits, scale, out):
+    return _fixed_decode(packed, n, bits, scale, out) if n else 0
+
+
+# --- qsgd / terngrad -----------------------------------------------------------------------
+
+@njit(**_JIT)
+def _signlevel_encode(x, bs, s_, bits, l2, key, scale_out, packed):
+    n = x.size
+    xi = x.view(np.int32)
+    c = np.empty(bs, np.uint8)
+    w = np.empty(bs // 2 + 4, np.uint32)
+    wh = w.view(np.uint16)
+    acc = np.zeros(LANES)
+    sbit = np.uint8(1 << (bits - 1))
+    fs = np.float32(s_)
+    one = np.empty(1, np.int32)
+    for b in range((n + bs - 1) // bs):
+        s = b * bs
+        m = min(bs, n - s)
+        xs = x[s:s + m]
+        if l2:
+            acc[:] = 0.0
+            full = m // LANES
+            for t in range(full):
+                r = xs[t * LANES:(t + 1) * LANES]
+                for j in range(LANES):
+                    v = np.float64(r[j])
+                    acc[j] += v * v
+            for j in range(m - full * LANES):
+                v = np.float64(xs[full * LANES + j])
+                acc[j] += v * v
+            total = _fold(acc)
+            bad = not np.isfinite(total)
+            scale = np.float32(0.0) if bad else np.float32(np.sqrt(total))
+        else:
+            ks = xi[s:s + m]
+            mk = np.int32(0)
+            for i in range(m):
+                mk = max(mk, ks[i] & np.int32(0x7FFFFFFF))
+            bad = mk >= _KEY_PINF
+            one[0] = 0 if bad else mk
+            scale = one.view(np.float32)[0]
+        ok = (not bad) and scale > 0
+        scale_out[b] = _F32_NAN if bad else scale
+        if not ok:
+            c[:m] = 0
+        else:
+            mul = np.float32(min(s_ / np.float64(scale), _FLT_MAX))
+            _fill_bucket_words(key, s, m, w)
+            for i in range(m):
+                v = xs[i]
+                lv = np.uint8(min(np.floor(abs(v) * mul + _u(wh[i])), fs))
+                c[i] = lv | (sbit if (v < 0 and lv > 0) else np.uint8(0))
+        _pack_into(c, m, bits, packed[(s // 8) * bits:])
+
+
+def signlevel_encode(x, bs, s, bits, l2, key, scale_out, packed):
+    if x.size:
+        _signlevel_encode(x, bs, s, bits, l2, key, scale_out, packed)
+
+
+@njit(**_JIT)
+def _signlevel_decode(packed, n, bs, s_, bits, scale, out):
+    c = np.empty(bs, np.uint8)
+    lmask = np.uint8((1 << (bits - 1)) - 1)
+    sbit = np.uint8(1 << (bits - 1))
+    nbad = 0
+    for b in range((n + bs - 1) // bs):
+        s = b * bs
+        m = min(bs, n - s)
+        _unpack_into(packed[(s // 8) * bits:], m, bits, c)
+        o = out[s:s + m]
+        unit = np.float32(np.float64(scale[b]) / s_)
+        for i in range(m):
+            lv = c[i] & lmask
+            nbad += lv > s_
+            v = np.float32(lv) * unit
+            o[i] = -v if (c[i] & sbit) else v
+    return nbad
+
+
+def signlevel_decode(packed, n, bs, s, bits, scale, out):
+    return int(_signlevel_decode(packed, n, bs, s, bits, scale, out)) if n else 0
+
+
+# --- onebit ----------------------------------------------------------------------------------
+
+@njit(**_JIT)
+def _onebit_encode(x, bs, pos_out, neg_out, packed):
+    n = x.size
+    c = np.empty(bs, np.uint8)
+    ps = np.zeros(LANES)
+    ns = np.zeros(LANES)
+    cn = np.zeros(LANES, np.int32)
+    for b in range((n + bs - 1) // bs):
+        s = b * bs
+        m = min(bs, n - s)
+        xs = x[s:s + m]
+        ps[:] = 0.0
+        ns[:] = 0.0
+        cn[:] = 0
+        full = m // LANES
+        for t in range(full):
+            r = xs[t * LANES:(t + 1) * LANES]
+            for j in range(LANES):
+                v = np.float64(r[j])
+                ps[j] += max(v, 0.0)
+                ns[j] += min(v, 0.0)
+                cn[j] += r[j] >= np.float32(0.0)
+        for j in range(m - full * LANES):
+            v = np.float64(xs[full * LANES + j])
+            ps[j] += max(v, 0.0)
+            ns[j] += min(v, 0.0)
+            cn[j] += xs[full * LANES + j] >= np.float32(0.0)
+        psum = _fold(ps)
+        nsum = _fold(ns)
+        cnt = 0
+        for j in range(LANES):
+            cnt += cn[j]
+        if not (np.isfinite(psum) and np.isfinite(nsum)):
+            pos_out[b] = _F32_NAN
+            neg_out[b] = _F32_NAN
+            c[:m] = 0
+        else:
+            pos_out[b] = np.float32(psum / cnt) if cnt > 0 else np.float32(0.0)
+            neg_out[b] = np.float32(nsum / (m - cnt)) if m - cnt > 0 else np.float32(0.0)
+            for i in range(m):
+                c[i] = xs[i] >= np.float32(0.0)
+        _pack_into(c, m, 1, packed[s // 8:])
+
+
+def onebit_encode(x, bs, pos_out, neg_out, packed):
+    if x.size:
+        _onebit_encode(x, bs, pos_out, neg_out, packed)
+
+
+@njit(**_JIT)
+def _onebit_decode(packed, n, bs, pos, neg, out):
+    for b in range((n + bs - 1) // bs):
+        s = b * bs
+        m = min(bs, n - s)
+        p = packed[s // 8:]
+        o = out[s:s + m]
+        pb, nb_ = pos[b], neg[b]
+        full = m // 8
+        for t in range(full):
+            byte = p[t]
+            for j in range(8):
+                o[8 * t + j] = pb if (byte >> np.uint8(j)) & np.uint8(1) else nb_
+        for i in range(8 * full, m):
+            o[i] = pb if (p[i >> 3] >> np.uint8(i & 7)) & np.uint8(1) else nb_
+    return 0
+
+
+def onebit_decode(packed, n, bs, pos, neg, out):
+    return _onebit_decode(packed, n, bs, pos, neg, out) if n else 0
+
+
+# --- topk / randomk ------------------------------------------------------------------------
+
+_SAMPLE = 1 << 14
+
+
+@njit(**_JIT)
+def _topk_candidates(keys, mask, t, cand):
+    """Indices with ``keys & mask >= t`` into cand (capacity cand.size); returns the count
+    (which may exceed the capacity: then cand holds the first ones only)."""
+    c = 0
+    cap = cand.size
+    for i in range(keys.size):
+        if keys[i] & mask >= t:
+            if c < cap:
+                cand[c] = i
+            c += 1
+    return c
+
+
+@njit(**_JIT)
+def _topk_finish(keys, mask, cand, k, idx_out):
+    """Exact top-k among the candidates (all keys >= the true k-th largest are in cand)."""
+    ck = np.empty(cand.size, keys.dtype)
+    for j in range(cand.size):
+        ck[j] = keys[cand[j]] & mask
+    t = np.partition(ck, cand.size - k)[cand.size - k]
+    ngt = 0
+    for j in range(cand.size):
+        ngt += ck[j] > t
+    need = k - ngt
+    o = 0
+    for j in range(cand.size):
+        kj = ck[j]
+        if kj > t or (kj == t and need > 0):
+            if kj == t:
+                need -= 1
+            idx_out[o] = cand[j]
+            o += 1
+    return o
+
+
+@njit(**_JIT)
+def _gather(x, idx, out):
+    for j in range(idx.size):
+        out[j] = x[idx[j]]
+
+
+def topk_select(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Same result as the numpy path, from a sampled threshold (DGC) and one pass."""
+    from . import _numpy
+    n = x.size
+    k = min(k, n)
+    if k == n or k == 0 or n < 4 * _SAMPLE or k > n // 8:
+        return _numpy.topk_select(x, k)
+    keys = x.view(f"u{x.itemsize}")
+    mask = keys.dtype.type((1 << (8 * x.itemsize - 1)) - 1)
+    step = n // _SAMPLE
+    sample = keys[::step][:_SAMPLE] & mask
+    f = k * _SAMPLE / n
+    r = int(f + 4.0 * f ** 0.5 + 2)
+    if r >= _SAMPLE:
+        return _numpy.topk_select(x, k)
+    t = np.partition(sample, _SAMPLE - r)[_SAMPLE - r]
+    cap = min(n, int(2 * r * n / _SAMPLE) + 1024)
+    cand = np.empty(cap, np.int64)
+    c = _topk_candidates(keys, mask, t, cand)
+    if c < k or c > cap:                       # unlucky sample or adversarial data
+        return _numpy.topk_select(x, k)
+    idx = np.empty(k, np.int64)
+    _topk_finish(keys, mask, cand[:c], k, idx)
+    vals = np.empty(k, x.dtype)
+    _gather(keys, idx, vals.view(keys.dtype))            # bit copies (numba has no float16)
+    return idx, vals
+
+
+@njit(**_JIT)
+def _scatter(out, idx, vals, add):
+    n = out.size
+    prev = -1
+    for j in range(idx.size):
+        i = idx[j]
+        if i <= prev or i >= n:
+            return 1
+        prev = i
+    for j in range(idx.size):
+        if add:
+            out[idx[j]] += vals[j]
+        else:
+            out[idx[j]] = vals[j]
+    return 0
+
+
+def scatter(out, idx, vals, add):
+    if not idx.size:
+        return 0
+    if out.dtype == np.float16:
+        if add:
+            from . import _numpy
+            return _numpy.scatter(out, idx, vals, add)
+        out, vals = out.view(np.uint16), vals.view(np.uint16)
+    return int(_scatter(out, idx, vals, add))
+
+
+@njit(inline="always", **_JIT)
+def _draw(lo, hi, n):
+    """floor(u * n / 2^64) for u = hi * 2^32 + lo (exact, n < 2^32); u mod n above."""
+    if n < 4294967296:
+        nn = np.uint64(n)
+        return (np.uint64(hi) * nn + ((np.uint64(lo) * nn) >> np.uint64(32))) >> np.uint64(32)
+    return (np.uint64(lo) | (np.uint64(hi) << np.uint64(32))) % np.uint64(n)
+
+
+@njit(**_JIT)
+def _randomk_mark(key, n, m, bitmap):
+    """Mark the first m distinct draws in bitmap (uint64 words)."""
+    got = 0
+    b = np.uint64(0)
+    while got < m:
+        w0, w1, w2, w3 = _philox(np.uint32(b & np.uint64(0xFFFFFFFF)),
+                                 np.uint32(b >> np.uint64(32)), key[2], key[3], key[0], key[1])
+        b += np.uint64(1)
+        r = _draw(w0, w1, n)
+        word = r >> np.uint64(6)
+        bit = np.uint64(1) << (r & np.uint64(63))
+        if not bitmap[word] & bit:
+            bitmap[word] |= bit
+            got += 1
+        if got < m:
+            r = _draw(w2, w3, n)
+            word = r >> np.uint64(6)
+            bit = np.uint64(1) << (r & np.uint64(63))
+            if not bitmap[word] & bit:
+                bitmap[word] |= bit
+                got += 1
+
+
+@intrinsic
+def _cttz(typingctx, x):
+    """Count of trailing zero bits of a uint64 (llvm.cttz)."""
+    if x != types.uint64:
+        return None
+
+    def codegen(context, builder, signature, args):
+        i64 = ir.IntType(64)
+        fnty = ir.FunctionType(i64, [i64, ir.IntType(1)])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.cttz.i64")
+        return builder.call(fn, [args[0], ir.Constant(ir.IntType(1), 0)])
+    return types.uint64(types.uint64), codegen
+
+
+@njit(**_JIT)
+def _bitmap_indices(bitmap, n, want, out):
+    o = 0
+    flip = np.uint64(0) if want else ~np.uint64(0)
+    last = bitmap.size - 1
+    for wi in range(bitmap.size):
+        v = bitmap[wi] ^ flip
+        if wi == last and n % 64:
+            v &= (np.uint64(1) << np.uint64(n % 64)) - np.uint64(1)
+        while v:
+            out[o] = 64 * wi + np.int64(_cttz(v))
+            o += 1
+            v &= v - np.uint64(1)
+    return o
+
+
+def randomk_indices(key: np.ndarray, n: int, k: int) -> np.ndarray:
+    k = min(k, n)
+    if k == n:
+        return np.arange(n, dtype=np.int64)
+    m = min(k, n - k)
+    bitmap = np.zeros((n + 63) // 64, np.uint64)
+    _randomk_mark(key.astype(np.uint32), n, m, bitmap)
+    out = np.empty(k, np.int64)
+    _bitmap_indices(bitmap, n, 1 if m == k else 0, out)
+    return out
+
+
+@njit(**_JIT)
+def _all_finite(xi, mask, inf):
+    mk = xi.dtype.type(0)
+    for i in range(xi.size):
+        mk = max(mk, xi[i] & mask)
+    return mk < inf
+
+
+def all_finite(x: np.ndarray) -> bool:
+    if x.dtype == np.float32:
+        return bool(_all_finite(x.view(np.uint32), np.uint32(0x7FFFFFFF), np.uint32(0x7F800000)))
+    return bool(np.isfinite(x).all())

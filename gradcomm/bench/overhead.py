@@ -1,0 +1,131 @@
+"""Where the time of one small allreduce goes: ``python -m gradcomm.bench.overhead``.
+
+Times, at one size, each layer that ``gradcomm.allreduce`` stacks on the transport, from
+the library's own allreduce up to the full call, so the per-call Python cost of each layer
+can be read off as a difference. Measured like the benchmark (barrier, then each rank's
+``perf_counter``; the median over iterations of the slowest rank). Run it under
+``mpirun -n 2`` (MPI) or bare (in-process threads)::
+
+    mpirun -n 2 python -m gradcomm.bench.overhead --size 4K --iters 2000
+
+Example:
+    >>> from gradcomm.comm import run_ranks
+    >>> rows = run_ranks(2, lambda t: layers(t, 64, iters=3, warmup=1))[0]
+    >>> rows[-1][0]
+    'gradcomm.allreduce(recursive_doubling)'
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from ..comm.base import TAG_DATA, Transport
+from .sweep import _gather
+
+
+def _timed(t: Transport, fn: Callable[[], Any], iters: int, warmup: int) -> float | None:
+    """Median over iterations of the slowest rank's time, µs (rank 0; None elsewhere)."""
+    for _ in range(warmup):
+        fn()
+    times = np.empty(iters)
+    for i in range(iters):
+        t.barrier()
+        t0 = time.perf_counter()
+        fn()
+        times[i] = time.perf_counter() - t0
+    table = _gather(t, times)
+    return None if table is None else float(np.median(table.max(axis=0))) * 1e6
+
+
+def layers(t: Transport, size: int, *, iters: int = 1000, warmup: int = 100,
+           algorithm: str = "recursive_doubling", raw: Callable[[], Any] | None = None
+           ) -> list[tuple[str, float | None]]:
+    """(layer, median µs) from the bottom up; times on rank 0 only.
+
+    ``raw``, if given, is the library's allreduce called directly (e.g. mpi4py's).
+    """
+    import gradcomm
+    from .. import _array
+    from ..collectives import algorithm as get_algorithm
+    from ..collectives import dense_allreduce
+    from ..collectives._check import agree
+    from ..collectives._reduce import Reducer
+
+    n = max(size // 4, 1)
+    x = np.ones(n, np.float32)
+    buf, tmp = x.copy(), np.empty_like(x)
+    peer = t.rank ^ 1 if (t.rank ^ 1) < t.size else t.rank - 1
+    red = Reducer("sum", "float32")
+    steps: list[tuple[str, Callable[[], Any]]] = []
+    if raw is not None:
+        steps.append(("library allreduce, direct", raw))
+    steps += [
+        ("t.native_allreduce", lambda: t.native_allreduce(buf, "sum", "float32")),
+        ("t.sendrecv (one exchange)", lambda: t.sendrecv(x, peer, tmp, peer, TAG_DATA)),
+        ("t.barrier", t.barrier),
+        ("to_flat + from_flat", lambda: _array.from_flat(*_array.to_flat(x))),
+        ("agree() (the argument check)",
+         lambda: agree(t, "allreduce", count=n, dtype="float32", op="sum",
+                       algorithm=algorithm)),
+        (f"{algorithm}.allreduce (raw)", lambda: get_algorithm(algorithm)(t, buf, red)),
+        ("dense_allreduce, check=False",
+         lambda: dense_allreduce(t, buf, "sum", "float32", algorithm, check=False)),
+        ("dense_allreduce, check=True",
+         lambda: dense_allreduce(t, buf, "sum", "float32", algorithm)),
+        ("gradcomm.allreduce(native)", lambda: gradcomm.allreduce(x, t, algorithm="native")),
+        (f"gradcomm.allreduce({algorithm}, check=False)",
+         lambda: gradcomm.allreduce(x, t, algorithm=algorithm, check=False)),
+        (f"gradcomm.allreduce({algorithm})", lambda: gradcomm.allreduce(x, t,
+                                                                        algorithm=algorithm)),
+    ]
+    out = []
+    for name, fn in steps:
+        with np.errstate(over="ignore"):       # buf is summed into itself over and over
+            out.append((name, _timed(t, fn, iters, warmup)))
+        buf[...] = x
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .cli import parse_size
+    from .launch import detect_launcher
+
+    ap = argparse.ArgumentParser(prog="python -m gradcomm.bench.overhead",
+                                 description=__doc__.split("\n")[0])
+    ap.add_argument("--size", default="4K", help="bytes (float32), default 4K")
+    ap.add_argument("--iters", type=int, default=1000)
+    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--algorithm", default="recursive_doubling")
+    ap.add_argument("--np", type=int, default=2, help="in-process ranks when run bare")
+    args = ap.parse_args(argv)
+    size = parse_size(args.size)
+
+    def run(t: Transport, raw: Callable[[], Any] | None) -> None:
+        rows = layers(t, size, iters=args.iters, warmup=args.warmup,
+                      algorithm=args.algorithm, raw=raw)
+        if t.rank == 0:
+            print(f"# {size} B float32 sum, {t.size} ranks, transport {t.name}: median of the "
+                  f"slowest rank over {args.iters} iterations")
+            for name, us in rows:
+                print(f"{name:52s} {us:9.2f} us")
+
+    if detect_launcher() == "mpi":
+        from .launch import mpi_world
+
+        t, MPI, _ = mpi_world()
+        x = np.ones(max(size // 4, 1), np.float32)
+        out = np.empty_like(x)
+        run(t, lambda: MPI.COMM_WORLD.Allreduce(x, out))
+    else:
+        from ..comm import run_ranks
+
+        run_ranks(args.np, lambda t: run(t, None), timeout=3600.0)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

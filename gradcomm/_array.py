@@ -264,3 +264,30 @@ def from_device_flat(buf: Any, meta: Meta) -> Any:
 
         return torch.from_dlpack(buf.view(cupy.int16)).view(torch.bfloat16).reshape(meta.shape)
     return torch.from_dlpack(buf).reshape(meta.shape)
+
+
+def torch_bytes(buf: Any) -> Any:
+    """A flat ``torch.uint8`` tensor sharing memory with the flat contiguous buffer
+    ``buf`` (numpy, torch or cupy; no copy), for libraries that move torch tensors.
+
+    Example:
+        >>> import numpy as np
+        >>> t = torch_bytes(np.ones(2, np.float32))
+        >>> t.dtype, t.numel()
+        (torch.uint8, 8)
+    """
+    import torch
+
+    k = kind(buf)
+    if k == "numpy":
+        flat = buf.reshape(-1).view(np.uint8)
+        if flat.flags.writeable:
+            return torch.from_numpy(flat)
+        import warnings
+
+        with warnings.catch_warnings():          # read-only buffers are only ever sent
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(flat)
+    if k == "torch":
+        return buf.detach().reshape(-1).view(torch.uint8)
+    return torch.from_dlpack(buf.reshape(-1).view("uint8"))

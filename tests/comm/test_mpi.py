@@ -1,0 +1,142 @@
+"""The MPI transport under a real ``mpirun``: the dense conformance matrix at 2, 3 and 4
+ranks (exact results, identical bytes on every rank, native MPI equal to ours), and the
+error paths (argument mismatches, wrong message sizes, deadlines, an absent rank).
+
+Each launch batches many cases (mpirun start-up costs about a second).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests._launch import mpirun, require_mpi
+
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+CORE = {"ring", "tree", "recursive_doubling", "rabenseifner", "native"}
+
+
+def check_conformance(results: list[dict], n: int, *, native_16bit: bool) -> None:
+    """Every rank exact, no errors, every rank the same digests for the same cases."""
+    from gradcomm.collectives import DENSE
+
+    assert [r["rank"] for r in results] == list(range(n))
+    for r in results:
+        assert r["size"] == n
+        assert r["errors"] == [], f"rank {r['rank']}: {r['errors'][:10]}"
+    first = results[0]["digests"]
+    algorithms = {case.split("/")[0] for case in first}
+    assert algorithms == set(DENSE) and CORE <= algorithms
+    for r in results[1:]:
+        assert r["digests"].keys() == first.keys(), f"rank {r['rank']} ran other cases"
+        differ = [c for c in first if r["digests"][c] != first[c]]
+        assert not differ, f"rank {r['rank']} holds other bytes than rank 0 in {differ[:10]}"
+        assert r["unsupported"] == results[0]["unsupported"]
+    unsupported = {tuple(c.split("/")[::2]) for c in results[0]["unsupported"]}
+    if native_16bit:
+        assert not unsupported
+    else:                                     # MPI: 16-bit floats refused, never mis-summed
+        assert {a for a, _ in unsupported} <= {"native"}
+        assert {d for _, d in unsupported} == {"float16", "bfloat16"}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_conformance_matrix_under_mpirun(n: int) -> None:
+    require_mpi()
+    run = mpirun(SCRIPTS / "conformance.py", n, timeout=100)
+    results = run.results(n)
+    assert {r["transport"] for r in results} == {"mpi"}
+    check_conformance(results, n, native_16bit=False)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("n", [2, 3])
+def test_error_paths_under_mpirun(n: int) -> None:
+    require_mpi()
+    results = mpirun(SCRIPTS / "mpi_errors.py", n, timeout=50).results(n)
+    from gradcomm.collectives import DENSE
+
+    for r in results:
+        where = f"rank {r['rank']}"
+        assert r["transport"] == "MPITransport" and r["cached"], where
+        for algo in DENSE:                     # counts differ: every rank, every algorithm
+            assert r[f"count/{algo}"] == "MismatchError", (where, algo)
+        assert r["dtype"] == r["op"] == r["algorithm"] == "MismatchError", where
+        assert r["unknown_algorithm"] == r["unknown_op"] == "ConfigError", where
+        assert r["after_errors"] and r["after_deadline"], where
+        assert r["deadline"] == "DeadlineError", where
+        assert 0.25 <= r["deadline_seconds"] < 5, where
+        assert r["native_float16"] == r["native_bfloat16"] == "UnsupportedError", where
+        assert r["bool_native"] == "ok", where
+        assert r["closed"] == "TransportError" and r["recreated"], where
+        assert r["intercomm"] == "ConfigError", where
+    r1 = results[1]
+    assert r1["short_message"] == r1["long_message"] == "TransportError"
+    assert r1["isolated"] is True
+    assert results[0]["stats"] == {"bytes_sent": 40, "messages_sent": 1,
+                                   "bytes_received": 0, "messages_received": 0}
+    assert r1["stats"] == {"bytes_sent": 0, "messages_sent": 0,
+                           "bytes_received": 40, "messages_received": 1}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("n,algorithm,extra", [(2, "auto", ()),
+                                               (3, "ring", ("--no-check",)),
+                                               (4, "tree", ("--no-check",))])
+def test_absent_rank_raises_deadline_and_the_job_ends(n: int, algorithm: str,
+                                                       extra: tuple[str, ...]) -> None:
+    """The last rank never joins: the others raise DeadlineError after ~1 s and the job
+    (run under ``python -m mpi4py``) aborts instead of hanging."""
+    require_mpi()
+    run = mpirun(SCRIPTS / "absent_rank.py", n, algorithm, "1.0", *extra, timeout=45,
+                 check=False)
+    assert run.returncode != 0, run.describe()
+    assert "DeadlineError" in run.stderr, run.describe()
+    assert "did not complete within 1 s" in run.stderr, run.describe()
+    assert run.elapsed < 30, run.describe()
+
+
+def test_mpi_transport_in_process_single_rank() -> None:
+    """On COMM_SELF (no launcher): the transport works, refuses 16-bit floats natively,
+    frees its duplicate on close, and importing gradcomm did not import mpi4py."""
+    require_mpi()
+    import subprocess
+
+    code = ("import sys, gradcomm, gradcomm.comm, gradcomm.collectives;"
+            "assert 'mpi4py' not in sys.modules and 'torch' not in sys.modules;"
+            "print('clean')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.strip() == "clean", out.stderr
+    import numpy as np
+    from mpi4py import MPI
+
+    from gradcomm.comm.mpi import MPITransport, cuda_aware
+    from gradcomm.errors import ConfigError, TransportError, UnsupportedError
+
+    t = MPITransport(MPI.COMM_SELF, timeout=2)
+    assert (t.rank, t.size) == (0, 1)
+    assert t.devices == (frozenset({"cpu", "cuda"}) if cuda_aware() else frozenset({"cpu"}))
+    with pytest.raises(UnsupportedError, match="float16"):
+        t.native_allreduce(np.ones(2, np.float16), "sum", "float16")
+    with pytest.raises(TransportError, match="invalid peer"):
+        t.send(np.ones(2), 0)
+    t.barrier()
+    t.close()
+    with pytest.raises(TransportError, match="closed"):
+        t.native_allreduce(np.ones(2), "sum", "float64")
+    with pytest.raises(ConfigError, match="intracommunicator"):
+        MPITransport(object())
+
+
+def test_cuda_awareness_can_be_declared(monkeypatch: pytest.MonkeyPatch) -> None:
+    require_mpi()
+    from gradcomm.comm.mpi import CUDA_AWARE_ENV, cuda_aware
+
+    monkeypatch.setenv(CUDA_AWARE_ENV, "1")
+    assert cuda_aware() is True
+    monkeypatch.setenv(CUDA_AWARE_ENV, "0")
+    assert cuda_aware() is False

@@ -218,3 +218,41 @@ def test_digits_compressed_gossip():
     assert got[0]["consensus"] / norm < 5e-2
     print(f"\n[digits, 4 ranks] CHOCO gossip ring codec={codec}: averaged acc {avg_acc:.4f}, "
           f"consensus {got[0]['consensus']:.3g}")
+
+
+# -- real launchers ---------------------------------------------------------------------------
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def test_gossip_under_mpirun():
+    from tests._launch import mpirun, require_mpi
+
+    require_mpi()
+    for r in mpirun(SCRIPTS / "gossip_check.py", 4, timeout=60).results(4):
+        assert r["transport"] == "mpi" and r["errors"] == [], r
+        assert r["mismatch"] == "MismatchError"
+        assert r["choco_max_diff"] < 1e-12
+
+
+def test_gossip_under_torchrun_gloo():
+    from tests._launch import require_torch, torchrun
+
+    require_torch()
+    for r in torchrun(SCRIPTS / "gossip_check.py", 3, "--launcher", "torch",
+                      timeout=60).results(3):
+        assert r["transport"] == "torch" and r["errors"] == [], r
+        assert r["mismatch"] == "MismatchError"
+        assert r["choco_max_diff"] < 1e-12
+
+
+def test_digits_training_under_mpirun_matches_in_process():
+    """comm=None under mpirun picks MPI.COMM_WORLD; same numbers as the threads run."""
+    from tests._launch import mpirun, require_mpi
+
+    require_mpi()
+    got = mpirun(SCRIPTS / "gossip_train.py", 4, "--epochs", "2", timeout=80).results(4)
+    ref = run_ranks(4, lambda t: train(t, epochs=2), timeout=60)
+    for g, r in zip(got, ref):
+        assert g["accuracy"] == r["accuracy"] and g["local_accuracy"] == r["local_accuracy"]
+        assert g["consensus"] == pytest.approx(r["consensus"], rel=1e-9)

@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from typing import Any
 
 import numpy as np
@@ -46,6 +47,7 @@ def train(comm: Any = None, *, mode: str = "gossip", topology: str = "ring", epo
     from gradcomm.integrations.decentralized import DecentralizedSGD
 
     t = get_transport(comm)
+    start = time.perf_counter()
     Xtr, ytr, Xte, yte = (torch.from_numpy(a) for a in shards(t.rank, t.size))
     model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(),
                                 torch.nn.Linear(32, 10))
@@ -94,6 +96,7 @@ def train(comm: Any = None, *, mode: str = "gossip", topology: str = "ring", epo
         out["param_norm_sq"] = sq
         opt.average_parameters()
     out["accuracy"] = accuracy()               # of the averaged model (gossip)
+    out["train_s"] = time.perf_counter() - start
     return out
 
 

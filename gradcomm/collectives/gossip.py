@@ -40,7 +40,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import _array
-from .._dtypes import FLOATS, bf16_to_f32, f32_to_bf16, storage
+from .._dtypes import FLOATS, bf16_to_f32, f32_to_bf16
 from ..comm import get_transport
 from ..comm.base import TAG_GOSSIP, Transport
 from ..errors import ConfigError, GradcommError, PayloadError, TransportError, UnsupportedError

@@ -25,7 +25,7 @@ import msgpack
 import numpy as np
 
 from .._dtypes import CODES, NAMES, STORAGE
-from ..errors import ConfigError, PayloadError
+from ..errors import ConfigError, PayloadError, UnsupportedError
 
 MAGIC = b"GC"
 VERSION = 1
@@ -34,6 +34,11 @@ _PREFIX = struct.Struct("<2sBI")          # magic, version, header length
 MAX_HEADER = 64 * 1024
 #: largest payload accepted from a peer (bytes); callers may pass a tighter bound
 MAX_PAYLOAD = 1 << 34
+#: largest element count a payload may announce when the decoder is given no ``out``
+#: (sparse codecs such as topk could otherwise make a 100-byte payload allocate terabytes)
+MAX_COUNT = 1 << 31
+#: dtypes a codec accepts and restores (bfloat16 is widened to float32 upstream)
+FLOAT_DTYPES = ("float16", "float32", "float64")
 
 
 @dataclass(frozen=True)
@@ -152,6 +157,11 @@ class Compressor(ABC):
     def decompress(self, payload: Payload, out: np.ndarray | None = None) -> np.ndarray:
         """Decode a (validated) payload to a flat array of its original dtype."""
 
+    def max_nbytes(self, n: int, dtype: str = "float32") -> int:
+        """Exact upper bound of ``compress(x).nbytes`` for any ``x`` of ``n`` ``dtype``
+        elements (receivers post buffers of this size)."""
+        raise UnsupportedError(f"compressor {self.name!r} does not declare max_nbytes")
+
     def decompress_sum(self, payloads: Sequence[Payload], out: np.ndarray | None = None
                        ) -> np.ndarray:
         """Sum of the decoded payloads (codecs override this with fused kernels)."""
@@ -163,6 +173,12 @@ class Compressor(ABC):
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
         return f"{type(self).__name__}({opts})"
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other.get_config() == self.get_config()
+
+    def __hash__(self) -> int:
+        return hash((type(self), tuple(sorted(self.get_config().items()))))
 
 
 def check_codec(payload: Payload, name: str) -> None:
@@ -178,3 +194,165 @@ def positive_int(name: str, value: Any, low: int = 1, high: int | None = None) -
         rng = f">= {low}" if high is None else f"in {low}..{high}"
         raise ConfigError(f"{name} must be an integer {rng}, got {value!r}")
     return int(value)
+
+
+# --- helpers shared by the codecs (encode side) -------------------------------------------
+
+def as_input(x: Any, name: str) -> np.ndarray:
+    """``x`` as a flat contiguous float16/32/64 numpy array, or ConfigError."""
+    if not isinstance(x, np.ndarray):
+        raise ConfigError(f"{name}.compress takes a numpy array, got {type(x).__name__}")
+    if x.dtype.name not in FLOAT_DTYPES:
+        raise ConfigError(f"{name}.compress takes float16, float32 or float64, got "
+                          f"{x.dtype.name} (bfloat16 is widened to float32 by the caller)")
+    return np.ascontiguousarray(x).reshape(-1)
+
+
+def seed_words(seed: Any) -> np.ndarray:
+    """Four uint32 words that key a codec's random stream, from ``seed``.
+
+    ``seed``: None (fresh entropy), a non-negative int, or a tuple/list of them (such as
+    ``(seed, step, key_hash, rank)``). Mixed by :class:`numpy.random.SeedSequence`, so
+    nearby seeds give independent streams and the same seed gives the same words anywhere.
+
+    Example:
+        >>> seed_words((1, 2)).tolist() == seed_words([1, 2]).tolist() != seed_words(1).tolist()
+        True
+    """
+    if seed is not None:
+        items = seed if isinstance(seed, (tuple, list)) else (seed,)
+        for v in items:
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+                raise ConfigError(f"seed must be None, a non-negative int or a tuple of them, "
+                                  f"got {seed!r}")
+        seed = [int(v) for v in items] if isinstance(seed, (tuple, list)) else int(seed)
+    return np.random.SeedSequence(seed).generate_state(4, np.uint32)
+
+
+def payload_nbytes(codec: str, header: Mapping[str, Any],
+                   buffers: Sequence[tuple[str, str, int]]) -> int:
+    """``Payload(codec, header, ...).nbytes`` for buffers given as (name, dtype, count),
+    without building them (codecs use it for ``max_nbytes``).
+
+    Example:
+        >>> p = Payload("x", {"n": 3}, {"v": np.zeros(3, np.float32)})
+        >>> payload_nbytes("x", {"n": 3}, [("v", "float32", 3)]) == p.nbytes
+        True
+    """
+    meta = msgpack.packb({"c": codec, "h": dict(header),
+                          "b": [[name, CODES[dt], int(count)] for name, dt, count in buffers]},
+                         use_bin_type=True)
+    return _PREFIX.size + len(meta) + sum(int(c) * STORAGE[dt].itemsize
+                                          for _, dt, c in buffers)
+
+
+def one_of(name: str, value: Any, choices: Sequence[Any]) -> Any:
+    """Validate an option that takes one of a few values."""
+    if value not in choices or isinstance(value, bool) != isinstance(choices[0], bool):
+        raise ConfigError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+    return value
+
+
+def make_out(out: np.ndarray | None, n: int, dtype: np.dtype) -> np.ndarray:
+    """``out`` checked against the payload's count and dtype, or a new array.
+
+    A payload that disagrees with the caller's ``out`` raises PayloadError (the peer sent
+    something else than expected); without ``out`` the count is bounded by MAX_COUNT.
+    """
+    if out is None:
+        if n > MAX_COUNT:
+            raise PayloadError(f"payload announces {n} elements, above MAX_COUNT={MAX_COUNT}; "
+                               "pass out= to decode larger arrays")
+        return np.empty(n, dtype)
+    if not isinstance(out, np.ndarray) or out.dtype != dtype or out.size != n or \
+            not out.flags.c_contiguous or not out.flags.writeable:
+        got = f"{out.dtype.name}[{out.size}]" if isinstance(out, np.ndarray) else type(out)
+        raise PayloadError(f"payload decodes to {dtype.name}[{n}], out is {got} "
+                           "(or not contiguous and writable)")
+    return out.reshape(-1)
+
+
+# --- helpers shared by the codecs (decode side: everything a peer sent is checked) -------
+
+class Reader:
+    """Validated access to a peer's payload: codec name, exact header keys and buffer names.
+
+    Example:
+        >>> p = Payload("fp16", {"n": 2, "dt": 3}, {"v": np.zeros(2, np.float16)})
+        >>> r = Reader(p, "fp16", ("n", "dt"), ("v",))
+        >>> r.int("n", 0, 10), r.dtype().name, r.buffer("v", "float16", 2).size
+        (2, 'float32', 2)
+        >>> Reader(p, "int8", ("n", "dt"), ("v",))
+        Traceback (most recent call last):
+        ...
+        gradcomm.errors.PayloadError: payload of codec 'fp16' given to codec 'int8'
+    """
+
+    def __init__(self, payload: Any, name: str, keys: Sequence[str],
+                 buffers: Sequence[str]) -> None:
+        if not isinstance(payload, Payload):
+            raise PayloadError(f"{name}: expected a Payload, got {type(payload).__name__}")
+        check_codec(payload, name)
+        self.p, self.name = payload, name
+        h, b = payload.header, payload.buffers
+        if not isinstance(h, Mapping) or set(h) != set(keys):
+            raise PayloadError(f"{name} payload header has keys {sorted(map(str, h))}, "
+                               f"expected {sorted(keys)}")
+        if not isinstance(b, Mapping) or set(b) != set(buffers):
+            raise PayloadError(f"{name} payload has buffers {sorted(map(str, b))}, "
+                               f"expected {sorted(buffers)}")
+
+    def int(self, key: str, low: int, high: int) -> int:
+        v = self.p.header[key]
+        if type(v) is not int or not low <= v <= high:
+            raise PayloadError(f"{self.name} payload: {key}={v!r}, expected an int in "
+                               f"{low}..{high}")
+        return v
+
+    def float(self, key: str) -> float:
+        v = self.p.header[key]
+        if type(v) is not float or not np.isfinite(v) or v <= 0:
+            raise PayloadError(f"{self.name} payload: {key}={v!r}, expected a finite float > 0")
+        return v
+
+    def dtype(self, key: str = "dt") -> np.dtype:
+        v = self.p.header[key]
+        if type(v) is not int or NAMES.get(v) not in FLOAT_DTYPES:
+            raise PayloadError(f"{self.name} payload: dtype code {v!r} is not one of "
+                               f"{', '.join(FLOAT_DTYPES)}")
+        return STORAGE[NAMES[v]]
+
+    def buffer(self, name: str, dtype: str, count: int) -> np.ndarray:
+        b = self.p.buffers[name]
+        if not isinstance(b, np.ndarray) or b.dtype != STORAGE[dtype] or b.ndim != 1 or \
+                b.size != count:
+            got = f"{b.dtype.name}[{b.size}]" if isinstance(b, np.ndarray) else type(b).__name__
+            raise PayloadError(f"{self.name} payload: buffer {name!r} is {got}, expected "
+                               f"{dtype}[{count}]")
+        return b if b.flags.c_contiguous else np.ascontiguousarray(b)
+
+
+def reuse(out: Payload | None, name: str, dtype: Any, count: int) -> np.ndarray:
+    """Buffer ``name`` of an earlier payload ``out`` (a ``compress(..., out=)`` argument) if
+    it can hold ``count`` ``dtype`` elements, else a new array; saves page faults on hot
+    paths (a fresh 64 MiB allocation costs several memory copies)."""
+    dt = np.dtype(dtype)
+    if out is not None:
+        b = out.buffers.get(name)
+        if isinstance(b, np.ndarray) and b.dtype == dt and b.size >= count and \
+                b.flags.c_contiguous and b.flags.writeable:
+            return b.reshape(-1)[:count]
+    return np.empty(count, dt)
+
+
+def as_float32(x: np.ndarray) -> np.ndarray:
+    """float32 view of float32 ``x``, else a rounded copy (the quantizers work in float32)."""
+    return x if x.dtype == np.float32 else x.astype(np.float32)
+
+
+def dtype_code(dtype: Any) -> int:
+    """Payload code of a float dtype name or numpy dtype (ConfigError otherwise)."""
+    name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
+    if name not in FLOAT_DTYPES:
+        raise ConfigError(f"dtype must be one of {', '.join(FLOAT_DTYPES)}, got {dtype!r}")
+    return CODES[name]

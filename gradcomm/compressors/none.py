@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .base import Compressor, Payload, check_codec
+from .base import Compressor, Payload, check_codec, payload_nbytes
 from ..errors import PayloadError
 
 
@@ -26,6 +26,9 @@ class NoneCompressor(Compressor):
 
     def compress(self, x: np.ndarray, *, seed: Sequence[int] | int | None = None) -> Payload:
         return Payload(self.name, {"n": int(x.size)}, {"values": x.reshape(-1)})
+
+    def max_nbytes(self, n: int, dtype: str = "float32") -> int:
+        return payload_nbytes(self.name, {"n": n}, [("values", dtype, n)])
 
     def decompress(self, payload: Payload, out: np.ndarray | None = None) -> np.ndarray:
         check_codec(payload, self.name)

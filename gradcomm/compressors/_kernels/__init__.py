@@ -50,3 +50,20 @@ def get(name: str | None = None) -> ModuleType:
     if mod is None:
         raise ConfigError(f"kernel path {name!r} is not available (install gradcomm[fast])")
     return mod
+
+
+def f32_target(out):
+    """Where a float32 kernel writes a result meant for ``out`` (``out`` itself if float32)."""
+    import numpy as np
+    return out if out.dtype == np.float32 else np.empty(out.size, np.float32)
+
+
+def f32_finish(tmp, out, k: ModuleType):
+    """Round the float32 ``tmp`` into ``out`` (float16 through ``k``'s canonical cast)."""
+    import numpy as np
+    if tmp is not out:
+        if out.dtype == np.float16:
+            k.f32_to_f16(tmp, out.view(np.uint16))
+        else:
+            out[...] = tmp
+    return out

@@ -324,8 +324,8 @@ def _minmax_encode(x, bs, bits, stochastic, key, lo_out, unit_out, packed):
     fL = np.float32(L)
     zero = np.float32(0.0)
     xi = x.view(np.int32)
-    c = np.empty(bs, np.uint8)
-    w = np.empty(bs // 2 + 4, np.uint32)
+    c = np.empty(min(bs, n), np.uint8)
+    w = np.empty(min(bs, n) // 2 + 4, np.uint32)
     wh = w.view(np.uint16)
     one = np.empty(1, np.int32)
     for b in range((n + bs - 1) // bs):
@@ -363,7 +363,7 @@ def minmax_encode(x, bs, bits, stochastic, key, lo_out, unit_out, packed):
 
 @njit(**_JIT)
 def _minmax_decode(packed, n, bs, bits, lo, unit, out):
-    c = np.empty(bs, np.uint8)
+    c = np.empty(min(bs, n), np.uint8)
     for b in range((n + bs - 1) // bs):
         s = b * bs
         m = min(bs, n - s)
@@ -441,8 +441,8 @@ def fixed_decode(packed, n, bits, scale, out):
 def _signlevel_encode(x, bs, s_, bits, l2, key, scale_out, packed):
     n = x.size
     xi = x.view(np.int32)
-    c = np.empty(bs, np.uint8)
-    w = np.empty(bs // 2 + 4, np.uint32)
+    c = np.empty(min(bs, n), np.uint8)
+    w = np.empty(min(bs, n) // 2 + 4, np.uint32)
     wh = w.view(np.uint16)
     acc = np.zeros(LANES)
     sbit = np.uint8(1 << (bits - 1))
@@ -495,7 +495,7 @@ def signlevel_encode(x, bs, s, bits, l2, key, scale_out, packed):
 
 @njit(**_JIT)
 def _signlevel_decode(packed, n, bs, s_, bits, scale, out):
-    c = np.empty(bs, np.uint8)
+    c = np.empty(min(bs, n), np.uint8)
     lmask = np.uint8((1 << (bits - 1)) - 1)
     sbit = np.uint8(1 << (bits - 1))
     nbad = 0
@@ -522,7 +522,7 @@ def signlevel_decode(packed, n, bs, s, bits, scale, out):
 @njit(**_JIT)
 def _onebit_encode(x, bs, pos_out, neg_out, packed):
     n = x.size
-    c = np.empty(bs, np.uint8)
+    c = np.empty(min(bs, n), np.uint8)
     ps = np.zeros(LANES)
     ns = np.zeros(LANES)
     cn = np.zeros(LANES, np.int32)

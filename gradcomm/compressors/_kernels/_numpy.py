@@ -127,15 +127,23 @@ def _key(x32: np.ndarray) -> np.ndarray:
 
 def _lane_sums(v: np.ndarray, n: int, bs: int) -> np.ndarray:
     """Per-bucket sums of float64 ``v`` (length n), in the 64-lane order."""
-    nb = (n + bs - 1) // bs
-    g = (bs + LANES - 1) // LANES
-    rows = np.zeros(nb * bs)
-    rows[:n] = v
-    pad = np.zeros((nb, g * LANES))
-    pad[:, :bs] = rows.reshape(nb, bs)
-    lanes = pad.reshape(nb, g, LANES)
+    full = n // bs
+    parts = []
+    if full:
+        parts.append(_row_lane_sums(v[:full * bs].reshape(full, bs)))
+    if n % bs:
+        parts.append(_row_lane_sums(v[full * bs:].reshape(1, -1)))
+    return np.concatenate(parts)
+
+
+def _row_lane_sums(rows: np.ndarray) -> np.ndarray:
+    r, m = rows.shape
+    g = (m + LANES - 1) // LANES
+    pad = np.zeros((r, g * LANES))
+    pad[:, :m] = rows
+    lanes = pad.reshape(r, g, LANES)
     if g <= 1024:
-        acc = np.zeros((nb, LANES))
+        acc = np.zeros((r, LANES))
         for t in range(g):
             acc += lanes[:, t, :]
     else:
@@ -148,7 +156,7 @@ def _lane_sums(v: np.ndarray, n: int, bs: int) -> np.ndarray:
 
 
 def _per_elem(v: np.ndarray, n: int, bs: int) -> np.ndarray:
-    return np.repeat(v, bs)[:n]
+    return v[np.arange(n) // bs]
 
 
 # --- float casts ------------------------------------------------------------------------

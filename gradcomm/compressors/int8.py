@@ -1,0 +1,127 @@
+"""``int8``: uniform quantization to 1..8 bits, bit-packed, in one of two modes.
+
+**Per-bucket range** (default; ``reduction = "gathered"``): each bucket of ``bucket_size``
+elements is mapped onto ``2**bits`` evenly spaced levels between its minimum and maximum
+(as CGX does), so ``bits=1`` works too. Wire: ``ceil(n*bits/8)`` code bytes plus two
+float32 per bucket (minimum and step). A constant bucket (all zeros included) decodes
+exactly.
+
+**Shared scale** (``scale=s``; ``reduction = "summable"``): symmetric levels
+``k * s / L`` for ``|k| <= L = 2**(bits-1) - 1``, the same on every rank, so codes of
+several ranks add as integers and a re-encoded sum of decoded payloads is exact. Values
+beyond ``+-s`` saturate: pick ``s`` >= the largest partial sum (for example the
+allreduced maximum times the rank count). Wire: the codes only.
+
+``rounding="nearest"`` (deterministic) or ``"stochastic"`` (unbiased up to 2^-16 of a
+step, seeded: ``compress(x, seed=...)``). Non-finite inputs: a bucket holding NaN or +-inf
+decodes to NaN (per-bucket mode); in shared-scale mode that element decodes to NaN.
+
+Example:
+    >>> import numpy as np
+    >>> c = Int8Compressor(bits=8, bucket_size=8)
+    >>> x = np.array([0.0, 1.0, 2.0, 5.1], np.float32)
+    >>> [round(float(v), 2) for v in c.decompress(c.compress(x))]
+    [0.0, 1.0, 2.0, 5.1]
+    >>> c.compress(x).nbytes == c.max_nbytes(4), c.reduction, Int8Compressor(scale=4.0).reduction
+    (True, 'gathered', 'summable')
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import numpy as np
+
+from . import _kernels
+from .base import (Compressor, Payload, Reader, as_float32, as_input, dtype_code, make_out,
+                   one_of, payload_nbytes, positive_int, reuse, seed_words)
+from ..errors import ConfigError, PayloadError
+
+#: largest bucket a payload may announce (also the option's upper bound)
+MAX_BUCKET = 1 << 30
+
+
+def bucket_option(value: Any, name: str = "bucket_size") -> int:
+    """Validate a bucket size: a multiple of 8 in 8 .. 2**30."""
+    v = positive_int(name, value, 8, MAX_BUCKET)
+    if v % 8:
+        raise ConfigError(f"{name} must be a multiple of 8 in 8..{MAX_BUCKET}, got {value!r}")
+    return v
+
+
+class Int8Compressor(Compressor):
+    """Uniform quantizer: per-bucket min/max levels, or symmetric levels of a shared scale."""
+
+    name = "int8"
+    reduction = "gathered"
+
+    def __init__(self, bits: int = 8, bucket_size: int = 1024, rounding: str = "nearest",
+                 scale: float | None = None) -> None:
+        self.bits = positive_int("bits", bits, 1, 8)
+        self.bucket_size = bucket_option(bucket_size)
+        self.rounding = one_of("rounding", rounding, ("nearest", "stochastic"))
+        if scale is not None:
+            if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating)) \
+                    or not math.isfinite(scale) or scale <= 0:
+                raise ConfigError(f"scale must be None or a finite number > 0, got {scale!r}")
+            if self.bits < 2:
+                raise ConfigError(f"bits must be in 2..8 with scale=, got {bits!r}")
+            scale = float(scale)
+            self.reduction = "summable"
+        self.scale = scale
+
+    def get_config(self) -> dict[str, Any]:
+        return {"bits": self.bits, "bucket_size": self.bucket_size, "rounding": self.rounding,
+                "scale": self.scale}
+
+    def _header(self, n: int, dt: int) -> dict[str, Any]:
+        if self.scale is None:
+            return {"n": n, "dt": dt, "bits": self.bits, "bs": self.bucket_size}
+        return {"n": n, "dt": dt, "bits": self.bits, "sc": self.scale}
+
+    def compress(self, x: np.ndarray, *, seed: Sequence[int] | int | None = None,
+                 out: Payload | None = None) -> Payload:
+        x = as_input(x, self.name)
+        x32, n, k = as_float32(x), x.size, _kernels.get()
+        stochastic = self.rounding == "stochastic"
+        key = seed_words(seed) if stochastic else np.zeros(4, np.uint32)
+        q = reuse(out, "q", np.uint8, (n * self.bits + 7) // 8)
+        header = self._header(n, dtype_code(x.dtype))
+        if self.scale is not None:
+            k.fixed_encode(x32, self.bits, self.scale, stochastic, key, q)
+            return Payload(self.name, header, {"q": q})
+        nb = -(-n // self.bucket_size)
+        lo, unit = reuse(out, "lo", np.float32, nb), reuse(out, "unit", np.float32, nb)
+        k.minmax_encode(x32, self.bucket_size, self.bits, stochastic, key, lo, unit, q)
+        return Payload(self.name, header, {"lo": lo, "unit": unit, "q": q})
+
+    def decompress(self, payload: Payload, out: np.ndarray | None = None) -> np.ndarray:
+        shared = isinstance(payload, Payload) and isinstance(payload.header, dict) and \
+            "sc" in payload.header
+        keys = ("n", "dt", "bits", "sc") if shared else ("n", "dt", "bits", "bs")
+        r = Reader(payload, self.name, keys, ("q",) if shared else ("lo", "unit", "q"))
+        dt, bits = r.dtype(), r.int("bits", 2 if shared else 1, 8)
+        n = r.int("n", 0, 1 << 62)
+        q = r.buffer("q", "uint8", (n * bits + 7) // 8)
+        out = make_out(out, n, dt)
+        k = _kernels.get()
+        tmp = _kernels.f32_target(out)
+        if shared:
+            k.fixed_decode(q, n, bits, r.float("sc"), tmp)
+        else:
+            bs = r.int("bs", 8, MAX_BUCKET)
+            if bs % 8:
+                raise PayloadError(f"int8 payload: bucket size {bs} is not a multiple of 8")
+            nb = -(-n // bs)
+            k.minmax_decode(q, n, bs, bits, r.buffer("lo", "float32", nb),
+                            r.buffer("unit", "float32", nb), tmp)
+        return _kernels.f32_finish(tmp, out, k)
+
+    def max_nbytes(self, n: int, dtype: str = "float32") -> int:
+        h = self._header(n, dtype_code(dtype))
+        bufs = [("q", "uint8", (n * self.bits + 7) // 8)]
+        if self.scale is None:
+            nb = -(-n // self.bucket_size)
+            bufs = [("lo", "float32", nb), ("unit", "float32", nb)] + bufs
+        return payload_nbytes(self.name, h, bufs)

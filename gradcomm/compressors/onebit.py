@@ -1,0 +1,72 @@
+"""``onebit``: 1-bit SGD (Seide et al., Interspeech 2014), meant to run with error feedback.
+
+Each element is sent as one bit, ``x >= 0``; each bucket of ``bucket_size`` elements also
+sends two float32 reconstruction values, the mean of its non-negative elements and the mean
+of its negative ones (the values that minimise the squared error given the signs). Wire:
+``ceil(n/8)`` bytes plus 8 bytes per bucket plus the header. Deterministic. A bucket
+holding NaN or +-inf decodes to NaN.
+
+Example:
+    >>> import numpy as np
+    >>> c = OneBitCompressor(bucket_size=8)
+    >>> c.decompress(c.compress(np.array([1.0, 3.0, -2.0, 0.0], np.float32))).tolist()
+    [1.3333333730697632, 1.3333333730697632, -2.0, 1.3333333730697632]
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from . import _kernels
+from .base import (Compressor, Payload, Reader, as_float32, as_input, dtype_code, make_out,
+                   payload_nbytes, reuse)
+from .int8 import MAX_BUCKET, bucket_option
+from ..errors import PayloadError
+
+
+class OneBitCompressor(Compressor):
+    """Sign bits with per-bucket means of the two sign groups."""
+
+    name = "onebit"
+    reduction = "gathered"
+
+    def __init__(self, bucket_size: int = 2048) -> None:
+        self.bucket_size = bucket_option(bucket_size)
+
+    def get_config(self) -> dict[str, Any]:
+        return {"bucket_size": self.bucket_size}
+
+    def compress(self, x: np.ndarray, *, seed: Sequence[int] | int | None = None,
+                 out: Payload | None = None) -> Payload:
+        x = as_input(x, self.name)
+        n, bs = x.size, self.bucket_size
+        nb = -(-n // bs)
+        pos, neg = reuse(out, "pos", np.float32, nb), reuse(out, "neg", np.float32, nb)
+        q = reuse(out, "q", np.uint8, (n + 7) // 8)
+        _kernels.get().onebit_encode(as_float32(x), bs, pos, neg, q)
+        return Payload(self.name, {"n": n, "dt": dtype_code(x.dtype), "bs": bs},
+                       {"pos": pos, "neg": neg, "q": q})
+
+    def decompress(self, payload: Payload, out: np.ndarray | None = None) -> np.ndarray:
+        r = Reader(payload, self.name, ("n", "dt", "bs"), ("pos", "neg", "q"))
+        dt, bs = r.dtype(), r.int("bs", 8, MAX_BUCKET)
+        if bs % 8:
+            raise PayloadError(f"onebit payload: bucket size {bs} is not a multiple of 8")
+        n = r.int("n", 0, 1 << 62)
+        q = r.buffer("q", "uint8", (n + 7) // 8)
+        nb = -(-n // bs)
+        pos, neg = r.buffer("pos", "float32", nb), r.buffer("neg", "float32", nb)
+        out = make_out(out, n, dt)
+        k = _kernels.get()
+        tmp = _kernels.f32_target(out)
+        k.onebit_decode(q, n, bs, pos, neg, tmp)
+        return _kernels.f32_finish(tmp, out, k)
+
+    def max_nbytes(self, n: int, dtype: str = "float32") -> int:
+        bs = self.bucket_size
+        nb = -(-n // bs)
+        return payload_nbytes(self.name, {"n": n, "dt": dtype_code(dtype), "bs": bs},
+                              [("pos", "float32", nb), ("neg", "float32", nb),
+                               ("q", "uint8", (n + 7) // 8)])

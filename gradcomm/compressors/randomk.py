@@ -1,0 +1,110 @@
+"""``randomk``: ``k`` elements at random positions (Stich et al., NeurIPS 2018), summable.
+
+The positions come from the seed alone: ranks that pass the same ``seed`` pick the same
+positions, so their payloads add value by value (``shared_seed = True``; a collective
+passes a seed without the rank). Only the values and the 128-bit stream key travel; the
+decoder regenerates the positions. ``k`` from ``k=`` or ``ratio=`` as for ``topk``. Values
+are not rescaled (use error feedback). If ``x`` holds NaN or +-inf, every sent value is
+NaN, so the overflow is not silently dropped.
+
+Example:
+    >>> import numpy as np
+    >>> c = RandomKCompressor(k=2)
+    >>> x = np.arange(1.0, 6.0, dtype=np.float32)
+    >>> y = c.decompress(c.compress(x, seed=7))
+    >>> int((y != 0).sum()), bool(np.all((y == 0) | (y == x)))
+    (2, True)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import numpy as np
+
+from . import _kernels
+from .base import (Compressor, Payload, Reader, as_input, dtype_code, make_out, payload_nbytes,
+                   reuse, seed_words)
+from .topk import k_options
+from ..errors import PayloadError
+
+_U32 = 0xFFFFFFFF
+
+
+class RandomKCompressor(Compressor):
+    """Keeps ``k`` positions drawn from the (shared) seed."""
+
+    name = "randomk"
+    reduction = "summable"
+    shared_seed = True
+
+    def __init__(self, ratio: float | None = None, k: int | None = None) -> None:
+        self.ratio, self.k = k_options(ratio, k)
+
+    def get_config(self) -> dict[str, Any]:
+        return {"ratio": self.ratio} if self.k is None else {"k": self.k}
+
+    def k_for(self, n: int) -> int:
+        return min(n, self.k) if self.k is not None else min(n, math.ceil(self.ratio * n))
+
+    def indices(self, n: int, seed: Sequence[int] | int | None) -> np.ndarray:
+        """The ascending positions ``compress`` keeps for ``n`` elements and ``seed``."""
+        return _kernels.get().randomk_indices(seed_words(seed), n, self.k_for(n))
+
+    def compress(self, x: np.ndarray, *, seed: Sequence[int] | int | None = None,
+                 out: Payload | None = None) -> Payload:
+        x = as_input(x, self.name)
+        n, key = x.size, seed_words(seed)
+        k = _kernels.get()
+        idx = k.randomk_indices(key, n, self.k_for(n))
+        v = reuse(out, "v", x.dtype, idx.size)
+        np.take(x, idx, out=v)
+        if idx.size and not k.all_finite(x):
+            v.fill(np.nan)
+        return Payload(self.name, {"n": n, "dt": dtype_code(x.dtype), "k": int(idx.size),
+                                   "key": [int(w) for w in key]}, {"v": v})
+
+    def _read(self, payload: Payload) -> tuple[int, np.dtype, tuple[int, ...], np.ndarray]:
+        r = Reader(payload, self.name, ("n", "dt", "k", "key"), ("v",))
+        dt = r.dtype()
+        n = r.int("n", 0, 1 << 62)
+        k = r.int("k", 0, n)
+        key = payload.header["key"]
+        if not (isinstance(key, list) and len(key) == 4 and
+                all(type(w) is int and 0 <= w <= _U32 for w in key)):
+            raise PayloadError(f"randomk payload: key {key!r} is not four uint32 words")
+        return n, dt, tuple(key), r.buffer("v", dt.name, k)
+
+    def decompress(self, payload: Payload, out: np.ndarray | None = None) -> np.ndarray:
+        return self.decompress_sum([payload], out)
+
+    def decompress_sum(self, payloads: Sequence[Payload], out: np.ndarray | None = None
+                       ) -> np.ndarray:
+        """Sum of the decoded payloads; with one shared key the values are added first and
+        scattered once."""
+        if not payloads:
+            raise PayloadError(f"{self.name}: no payloads to decode")
+        parts = [self._read(p) for p in payloads]
+        n, dt = parts[0][:2]
+        if any(p[:2] != (n, dt) for p in parts):
+            raise PayloadError(f"{self.name} payloads disagree on count or dtype: "
+                               f"{sorted({(p[0], p[1].name) for p in parts})}")
+        out = make_out(out, n, dt)
+        out.fill(0)
+        k = _kernels.get()
+        groups: dict[tuple[tuple[int, ...], int], np.ndarray] = {}
+        for _, _, key, vals in parts:       # payloads with one key and k share positions
+            if vals.size:
+                acc = groups.get((key, vals.size))
+                groups[key, vals.size] = vals.copy() if acc is None else \
+                    np.add(acc, vals, out=acc)
+        for (key, size), vals in groups.items():
+            idx = k.randomk_indices(np.array(key, np.uint32), n, size)
+            k.scatter(out, idx, vals, True)
+        return out
+
+    def max_nbytes(self, n: int, dtype: str = "float32") -> int:
+        k = self.k_for(n)
+        return payload_nbytes(self.name, {"n": n, "dt": dtype_code(dtype), "k": k,
+                                          "key": [_U32] * 4}, [("v", dtype, k)])

@@ -1,0 +1,70 @@
+"""``terngrad``: TernGrad (Wen et al., NeurIPS 2017), unbiased ternary quantization.
+
+Per bucket ``v``: ``Q(v_i) = s * sign(v_i) * b_i`` with ``s = max |v|`` and ``b_i`` a
+Bernoulli draw of probability ``|v_i| / s``, so ``E[Q(v)] = v``. Wire: 2 bits per element
+(0, +1, -1) plus one float32 scale per bucket. Draws come from ``compress(x, seed=...)``.
+A bucket holding NaN or +-inf decodes to NaN. (TernGrad's gradient clipping is left to the
+caller.)
+
+Example:
+    >>> import numpy as np
+    >>> c = TernGradCompressor(bucket_size=8)
+    >>> y = c.decompress(c.compress(np.array([2.0, -2.0, 0.0], np.float32), seed=0))
+    >>> y.tolist()
+    [2.0, -2.0, 0.0]
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from . import _kernels
+from .base import (Compressor, Payload, Reader, as_float32, as_input, dtype_code, make_out,
+                   payload_nbytes, reuse, seed_words)
+from .int8 import MAX_BUCKET, bucket_option
+from ..errors import PayloadError
+
+
+class TernGradCompressor(Compressor):
+    """Stochastic ternary {-1, 0, +1} times the bucket's largest magnitude."""
+
+    name = "terngrad"
+    reduction = "gathered"
+
+    def __init__(self, bucket_size: int = 512) -> None:
+        self.bucket_size = bucket_option(bucket_size)
+
+    def get_config(self) -> dict[str, Any]:
+        return {"bucket_size": self.bucket_size}
+
+    def compress(self, x: np.ndarray, *, seed: Sequence[int] | int | None = None,
+                 out: Payload | None = None) -> Payload:
+        x = as_input(x, self.name)
+        n, bs = x.size, self.bucket_size
+        scale = reuse(out, "scale", np.float32, -(-n // bs))
+        q = reuse(out, "q", np.uint8, (n * 2 + 7) // 8)
+        _kernels.get().signlevel_encode(as_float32(x), bs, 1, 2, False, seed_words(seed),
+                                        scale, q)
+        return Payload(self.name, {"n": n, "dt": dtype_code(x.dtype), "bs": bs},
+                       {"scale": scale, "q": q})
+
+    def decompress(self, payload: Payload, out: np.ndarray | None = None) -> np.ndarray:
+        r = Reader(payload, self.name, ("n", "dt", "bs"), ("scale", "q"))
+        dt, bs = r.dtype(), r.int("bs", 8, MAX_BUCKET)
+        if bs % 8:
+            raise PayloadError(f"terngrad payload: bucket size {bs} is not a multiple of 8")
+        n = r.int("n", 0, 1 << 62)
+        q = r.buffer("q", "uint8", (n * 2 + 7) // 8)
+        scale = r.buffer("scale", "float32", -(-n // bs))
+        out = make_out(out, n, dt)
+        k = _kernels.get()
+        tmp = _kernels.f32_target(out)
+        k.signlevel_decode(q, n, bs, 1, 2, scale, tmp)     # every 2-bit code is valid
+        return _kernels.f32_finish(tmp, out, k)
+
+    def max_nbytes(self, n: int, dtype: str = "float32") -> int:
+        bs = self.bucket_size
+        return payload_nbytes(self.name, {"n": n, "dt": dtype_code(dtype), "bs": bs},
+                              [("scale", "float32", -(-n // bs)), ("q", "uint8", (n * 2 + 7) // 8)])

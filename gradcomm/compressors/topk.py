@@ -1,0 +1,115 @@
+"""``topk``: the ``k`` largest magnitudes, sent as values and indices (Aji & Heafield 2017;
+Stich et al. 2018), meant to run with error feedback.
+
+``k`` comes from ``k=`` (an int >= 0) or ``ratio=`` (0..1, ``k = ceil(ratio * n)``), and is
+capped at ``n``; ``k = 0`` sends nothing. Selection is exact and canonical: the ``k``
+elements of largest ``|x|``, NaN and +-inf ranking above every finite value, ties going to
+the lower index; indices ascend strictly. It guarantees
+``||x - C(x)||^2 <= (1 - k/n) ||x||^2``. The fast path estimates the threshold from a
+strided sample (as DGC does) and makes one pass; the result is the same exact set.
+Wire: ``k`` int32 indices (int64 when ``n >= 2**31``) and ``k`` values in the input's
+dtype. Decoding checks ``0 <= index < n`` and strict increase.
+
+Example:
+    >>> import numpy as np
+    >>> c = TopKCompressor(k=2)
+    >>> p = c.compress(np.array([0.5, -3.0, 1.0, 2.0], np.float32))
+    >>> p.buffers["i"].tolist(), c.decompress(p).tolist()
+    ([1, 3], [0.0, -3.0, 0.0, 2.0])
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import numpy as np
+
+from . import _kernels
+from .base import (Compressor, Payload, Reader, as_input, dtype_code, make_out, payload_nbytes,
+                   reuse)
+from ..errors import ConfigError, PayloadError
+
+
+def k_options(ratio: Any, k: Any, default_ratio: float = 0.01) -> tuple[float | None, int | None]:
+    """Validate ``ratio=`` / ``k=`` (at most one; the default is ``ratio=default_ratio``)."""
+    if ratio is not None and k is not None:
+        raise ConfigError(f"give ratio= or k=, not both (got ratio={ratio!r}, k={k!r})")
+    if k is not None:
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
+            raise ConfigError(f"k must be an integer >= 0, got {k!r}")
+        return None, int(k)
+    ratio = default_ratio if ratio is None else ratio
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float, np.floating)) or \
+            not 0 <= ratio <= 1:
+        raise ConfigError(f"ratio must be a number in [0, 1], got {ratio!r}")
+    return float(ratio), None
+
+
+def index_dtype(n: int) -> str:
+    return "int32" if n < 2 ** 31 else "int64"
+
+
+class TopKCompressor(Compressor):
+    """Keeps the ``k`` largest magnitudes."""
+
+    name = "topk"
+    reduction = "gathered"
+    #: decoded output is mostly zeros (collectives may use sparse_allgather)
+    sparse = True
+
+    def __init__(self, ratio: float | None = None, k: int | None = None) -> None:
+        self.ratio, self.k = k_options(ratio, k)
+
+    def get_config(self) -> dict[str, Any]:
+        return {"ratio": self.ratio} if self.k is None else {"k": self.k}
+
+    def k_for(self, n: int) -> int:
+        """Elements kept out of ``n``."""
+        return min(n, self.k) if self.k is not None else min(n, math.ceil(self.ratio * n))
+
+    def compress(self, x: np.ndarray, *, seed: Sequence[int] | int | None = None,
+                 out: Payload | None = None) -> Payload:
+        x = as_input(x, self.name)
+        n = x.size
+        idx, vals = _kernels.get().topk_select(x, self.k_for(n))
+        i = reuse(out, "i", index_dtype(n), idx.size)
+        i[...] = idx
+        return Payload(self.name, {"n": n, "dt": dtype_code(x.dtype), "k": int(idx.size)},
+                       {"i": i, "v": vals})
+
+    def to_sparse(self, payload: Payload) -> tuple[int, np.dtype, np.ndarray, np.ndarray]:
+        """``(n, dtype, indices, values)`` of a validated payload (indices not yet range
+        checked: :meth:`decompress` and :meth:`decompress_sum` check them as they scatter)."""
+        r = Reader(payload, self.name, ("n", "dt", "k"), ("i", "v"))
+        dt = r.dtype()
+        n = r.int("n", 0, 1 << 62)
+        k = r.int("k", 0, n)
+        return n, dt, r.buffer("i", index_dtype(n), k), r.buffer("v", dt.name, k)
+
+    def decompress(self, payload: Payload, out: np.ndarray | None = None) -> np.ndarray:
+        return self.decompress_sum([payload], out)
+
+    def decompress_sum(self, payloads: Sequence[Payload], out: np.ndarray | None = None
+                       ) -> np.ndarray:
+        """Scatter-add of every payload into one zeroed output (in payload order)."""
+        if not payloads:
+            raise PayloadError(f"{self.name}: no payloads to decode")
+        parts = [self.to_sparse(p) for p in payloads]
+        n, dt = parts[0][:2]
+        if any(p[:2] != (n, dt) for p in parts):
+            raise PayloadError(f"{self.name} payloads disagree on count or dtype: "
+                               f"{sorted({(p[0], p[1].name) for p in parts})}")
+        out = make_out(out, n, dt)
+        out.fill(0)
+        k = _kernels.get()
+        for j, (_, _, idx, vals) in enumerate(parts):
+            if k.scatter(out, idx, vals, j > 0):
+                raise PayloadError(f"{self.name} payload: indices out of 0..{n - 1} or not "
+                                   "strictly increasing")
+        return out
+
+    def max_nbytes(self, n: int, dtype: str = "float32") -> int:
+        k = self.k_for(n)
+        return payload_nbytes(self.name, {"n": n, "dt": dtype_code(dtype), "k": k},
+                              [("i", index_dtype(n), k), ("v", dtype, k)])

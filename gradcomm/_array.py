@@ -108,7 +108,8 @@ def to_flat(x: Any) -> tuple[np.ndarray, Meta]:
     meta = meta_of(x)
     k = meta.kind
     if k == "numpy":
-        return np.array(x, order="C", copy=True).reshape(-1), meta
+        # native byte order: a big-endian ">f4" has the same dtype name as "<f4"
+        return np.array(x, dtype=x.dtype.newbyteorder("="), order="C", copy=True).reshape(-1), meta
     if k == "torch":
         t = x.detach()
         if t.device.type != "cpu":

@@ -212,3 +212,11 @@ def test_importing_gradcomm_imports_no_framework() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.strip()
     assert out == "[]"
+
+
+def test_byte_order_is_normalised():
+    """A big-endian array on one rank and a little-endian one on another still sum right."""
+    res = run_ranks(2, lambda t: gradcomm.allreduce(
+        np.arange(3.0, dtype=">f8" if t.rank else "<f8"), t), timeout=30)
+    for r in res:
+        assert r.tolist() == [0.0, 2.0, 4.0]

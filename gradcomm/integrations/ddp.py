@@ -1,0 +1,807 @@
+"""PyTorch DDP communication hook: any gradcomm compressor with any collective.
+
+``make_comm_hook(...)`` returns ``(state, hook)`` for
+``ddp_model.register_comm_hook(state, hook)``. For every gradient bucket DDP hands over:
+
+1. The hook (on the autograd thread) only queues the bucket and returns a
+   ``torch.futures.Future``; a single worker thread per state takes buckets in order, so
+   every rank issues its collectives in the same order and the next buckets' backward
+   compute overlaps this bucket's communication. Callbacks never ``.wait()``.
+2. The gradients are multiplied by ``1/p`` before the reduction (exactly as DDP's built-in
+   reducer does, so fp16 sums cannot overflow).
+3. Without a compressor (or before ``start_iter``) the bucket is summed in its own dtype by
+   the chosen dense algorithm — ``algorithm="native"`` is the process group's own
+   allreduce; with ``make_comm_hook(None)`` the gradients equal DDP's built-in allreduce
+   bit for bit (see "Parity" below).
+4. With a compressor the bucket is reduced in float32 (float64 for float64 buckets): the
+   error-feedback residual of every parameter is added to its slice, the compressed
+   collective runs, and each parameter's residual keeps what its slice lost.
+5. The future completes with the reduced bucket; DDP copies it into ``.grad``.
+
+**Residuals are keyed by parameter name**, not by bucket: a bucket is cut into its
+parameters (``bucket.parameters()`` and their sizes), so residuals survive DDP's bucket
+rebuild after the first iteration and a change of ``bucket_cap_mb``. Names come from
+``model=`` (or ``state.bind(model)``): ``named_parameters()`` of the module DDP wraps,
+e.g. ``"0.weight"``. Unbound, the hook names parameters ``"param.<i>"`` in the order DDP
+first hands them over (deterministic for a given model and ``bucket_cap_mb``) and warns
+once: bind the model to make checkpoints robust to layout changes and resumes bitwise.
+
+**Checkpoints.** ``state.state_dict()`` is collective: call it on every rank (like a
+barrier); every rank then holds every rank's residuals (``rank0_only=True``: only rank 0
+does, the others get ``{}``), so a single ``torch.save`` on rank 0 is a complete
+checkpoint that loads with ``torch.load(path)`` (tensors, ints and strings only).
+``load_state_dict`` is local and accepts a checkpoint taken at any rank count ``p``:
+new rank ``r'`` of ``p'`` takes the sum of the old residuals of ranks ``r`` with
+``r mod p' == r'`` (at ``p' == p`` exactly its own). Residuals are in units of the
+reduced sum (gradients are divided by ``p`` before they are added), so the total error
+mass ``sum_r e_r`` — what the ranks together still owe the model — is preserved exactly,
+whatever ``p'`` is. The state also stores the bucket layout of the last iteration and
+replays it in the first iteration after a load (DDP starts a new process with its
+initial layout and rebuilds only after one iteration), so a resumed run reduces the same
+groups as the unbroken one and, on CPU, ends with bitwise the same parameters.
+
+**Parity.** Gloo sums in its own order; ``make_comm_hook(None, algorithm="native")`` is
+gloo's allreduce on the same scaled bucket, hence bitwise equal to DDP's built-in path
+at any rank count. Any other algorithm at two ranks computes ``fl(a + b)`` per element,
+which does not depend on the order either, so it is bitwise equal too; at more ranks
+only the order of summation differs.
+
+**Join** (``with ddp_model.join():``): a rank that ran out of data runs the hook on zero
+buckets, so collectives still match; gradients are divided by the full ``p``.
+
+Tuning: ``start_iter`` of a few hundred steps lets the model leave the first,
+fast-changing phase uncompressed (PowerSGD does the same); on gloo every message costs
+milliseconds, so prefer few, large buckets (``bucket_cap_mb``) and an algorithm with few
+rounds; under ``mpirun`` pass ``transport="mpi"`` (microseconds per message).
+
+Example:
+    >>> import torch, torch.distributed as dist
+    >>> from torch.nn.parallel import DistributedDataParallel as DDP
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    >>> model = DDP(torch.nn.Linear(4, 2))
+    >>> state, hook = make_comm_hook("int8", bits=4, model=model)
+    >>> model.register_comm_hook(state, hook)
+    >>> model(torch.ones(3, 4)).sum().backward()
+    >>> state.iter, sorted(state.state_dict()["ranks"][0]["residuals"])
+    (1, ['bias', 'weight'])
+    >>> state.close(); dist.destroy_process_group()
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import warnings
+import weakref
+from typing import Any, Callable, Mapping, Sequence
+
+import msgpack
+import numpy as np
+
+from .. import _array
+from ..collectives import ALGORITHMS, dense_allreduce
+from ..comm import get_transport
+from ..comm.base import Transport
+from ..error_feedback import HOP_SEP, ErrorFeedback
+from ..errors import ConfigError, GradcommError, PayloadError, UnsupportedError
+
+#: ``state_dict()["format"]`` and its version
+STATE_FORMAT, STATE_VERSION = "gradcomm.ddp_comm_hook", 1
+
+
+class UnboundModelWarning(UserWarning):
+    """The hook names parameters by position because no model was bound."""
+
+
+class CommHookState:
+    """Everything the hook keeps between buckets: config, residuals, the worker thread.
+
+    Build it with :func:`make_comm_hook`. Attributes worth reading: ``iter`` (completed
+    backward passes), ``transport`` and ``stats``: ``buckets`` reduced, ``bytes_sent`` by
+    gradcomm's own messages, ``native_nbytes`` handed to the library's allreduce
+    (``algorithm="native"``; what that puts on the wire is the library's business) and
+    ``comm_seconds`` the worker spent reducing.
+    """
+
+    def __init__(self, compressor: Any = None, *, algorithm: str = "auto",
+                 error_feedback: bool = True, process_group: Any = None,
+                 transport: Any = None, start_iter: int = 0, model: Any = None,
+                 seed: int = 0, timeout: float | None = None, **options: Any) -> None:
+        from .. import compressors
+
+        from ..collectives.compressed import COMPRESSED_ALGORITHMS
+
+        if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
+            raise ConfigError(f"start_iter must be an int >= 0, got {start_iter!r}")
+        if compressor is None and options:
+            raise ConfigError(f"unknown options {sorted(options)} (compressor options need "
+                              "a compressor)")
+        self.compressor = None if compressor is None else compressors.get(compressor, **options)
+        lossy = self.compressor is not None and self.compressor.lossy
+        known = COMPRESSED_ALGORITHMS if lossy else ALGORITHMS
+        if algorithm not in known:
+            if algorithm == "native" and lossy:
+                raise UnsupportedError(f"algorithm='native' cannot carry {self.compressor.name!r}"
+                                       f" payloads; with a compressor use one of "
+                                       f"{', '.join(COMPRESSED_ALGORITHMS)}")
+            raise ConfigError(f"unknown algorithm {algorithm!r}; known: {', '.join(known)}")
+        self.algorithm, self.start_iter, self.seed = algorithm, start_iter, int(seed)
+        self.error_feedback = bool(error_feedback)
+        self.transport: Transport = _resolve_transport(transport, process_group, timeout)
+        self.residuals = _Residuals(self.error_feedback, lambda: self.iter)
+        self.iter = 0
+        self.stats = {"buckets": 0, "bytes_sent": 0, "native_nbytes": 0, "comm_seconds": 0.0}
+        self._names: dict[int, str] | None = None
+        self._position: dict[int, str] = {}
+        self._warned_unbound = False
+        self._layout: list[list[str]] = []      # units of the last completed iteration
+        self._current: list[list[str]] = []     # units of the iteration in progress
+        self._replay: list[list[str]] | None = None
+        self._pending: _Replay | None = None
+        self._checked: set[tuple[int, str, bool]] = set()
+        self._failure: BaseException | None = None
+        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._worker = threading.Thread(target=_work, args=(self._queue,), daemon=True,
+                                        name="gradcomm-ddp-hook")
+        self._worker.start()
+        self._finalizer = weakref.finalize(self, self._queue.put, None)
+        if model is not None:
+            self.bind(model)
+
+    # -- parameter names -------------------------------------------------------------------
+    def bind(self, model: Any) -> CommHookState:
+        """Name residuals after ``model``'s parameters (a DDP model or the module it wraps).
+
+        Returns the state, so ``make_comm_hook(...)[0].bind(model)`` chains.
+        """
+        module = getattr(model, "module", model)
+        try:
+            named = list(module.named_parameters())
+        except AttributeError:
+            raise ConfigError(f"bind() needs a torch.nn.Module or DDP model, got "
+                              f"{type(model).__qualname__}") from None
+        self._names = {id(p): name for name, p in named}
+        return self
+
+    def _keys(self, params: Sequence[Any]) -> list[str]:
+        if self._names is not None:
+            try:
+                return [self._names[id(p)] for p in params]
+            except KeyError:
+                raise ConfigError("a bucket holds a parameter that is not in the bound "
+                                  "model; bind the model that DDP wraps") from None
+        if not self._warned_unbound:
+            self._warned_unbound = True
+            warnings.warn("make_comm_hook: no model bound; residuals are keyed by parameter "
+                          "position ('param.<i>'). Pass model= (or state.bind(model)) so that "
+                          "checkpoints name parameters", UnboundModelWarning, stacklevel=3)
+        keys = []
+        for p in params:
+            k = self._position.get(id(p))
+            if k is None:
+                k = self._position[id(p)] = f"param.{len(self._position)}"
+            keys.append(k)
+        return keys
+
+    # -- the worker --------------------------------------------------------------------------
+    def _submit(self, task: Callable[[], None]) -> None:
+        if not self._worker.is_alive():
+            raise GradcommError("the comm hook's worker thread was closed")
+        self._queue.put(task)
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the worker thread (after every queued bucket) and return its value."""
+        done = threading.Event()
+        box: dict[str, Any] = {}
+
+        def task() -> None:
+            try:
+                box["value"] = fn()
+            except BaseException as exc:   # re-raised in the caller
+                box["error"] = exc
+            finally:
+                done.set()
+
+        self._submit(task)
+        deadline = self.transport.timeout * 4
+        if not done.wait(deadline):
+            raise GradcommError(f"the comm hook's worker did not finish within {deadline:g} s")
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
+
+    def flush(self) -> None:
+        """Wait until every queued bucket has been reduced."""
+        self._call(lambda: None)
+
+    def close(self) -> None:
+        """Stop the worker thread (after the queued buckets). Idempotent."""
+        if self._worker.is_alive():
+            self._queue.put(None)
+            self._worker.join(self.transport.timeout)
+
+    # -- one bucket ----------------------------------------------------------------------
+    def _bucket(self, buf: Any, keys: list[str], lengths: list[int], last: bool,
+                fut: Any, event: Any) -> None:
+        """Worker side of the hook: reduce one DDP bucket (or collect it for a replay)."""
+        try:
+            if self._failure is not None:
+                raise GradcommError(f"an earlier bucket failed: {self._failure}")
+            if event is not None:
+                event.synchronize()        # the gradients were written on another stream
+            if self._replay is not None or self._pending is not None:
+                ready = self._replay_bucket(buf, keys, lengths, fut)
+            else:
+                self._reduce_unit(buf, keys, lengths)
+                self._current.append(keys)
+                ready = [(fut, buf)]
+            if last:
+                self._end_iteration()     # before the futures: backward returns after them
+            for f, b in ready:
+                f.set_result(b)
+        except BaseException as exc:
+            self._failure = self._failure or exc
+            if not fut.done():
+                fut.set_exception(exc)
+            if self._pending is not None:
+                self._pending.fail(exc)
+                self._pending = None
+
+    def _end_iteration(self) -> None:
+        if self._pending is not None:
+            left = self._pending.left()
+            self._pending = None
+            if left:
+                raise GradcommError(f"replayed bucket layout never received {left}")
+        self.residuals.fold_unused(self.transport)
+        self._layout, self._current = self._current, []
+        self.iter += 1
+
+    def _replay_bucket(self, buf: Any, keys: list[str], lengths: list[int], fut: Any
+                       ) -> list[tuple[Any, Any]]:
+        """Collect a bucket; reduce the saved units now complete; return finished buckets."""
+        if self._pending is None:
+            assert self._replay is not None
+            self._pending, self._replay = _Replay(self._replay), None
+        pending = self._pending
+        pending.add(buf, keys, lengths, fut)
+        finished = []
+        for unit_keys, views in pending.ready():
+            import torch
+
+            flat = torch.cat([v.reshape(-1) for v in views])
+            self._reduce_unit(flat, unit_keys, [v.numel() for v in views])
+            offset = 0
+            for v in views:
+                v.copy_(flat[offset:offset + v.numel()])
+                offset += v.numel()
+            self._current.append(unit_keys)
+            finished += pending.done(unit_keys)
+        return finished
+
+    def _reduce_unit(self, flat: Any, keys: list[str], lengths: list[int]) -> None:
+        """Average 1-D tensor ``flat`` (parameters ``keys`` of ``lengths``) across ranks."""
+        t = self.transport
+        began, sent = time.perf_counter(), t.stats.bytes_sent
+        host = flat if flat.device.type == "cpu" else flat.cpu()
+        meta = _array.meta_of(host)
+        compressed = (self.compressor is not None and self.compressor.lossy
+                      and self.iter >= self.start_iter)
+        sig = (host.numel(), meta.dtype, compressed)
+        check = sig not in self._checked    # agree on new shapes only: gloo messages cost ms
+        if not compressed:
+            host.mul_(1.0 / t.size)
+            algorithm = self._dense_algorithm()
+            dense_allreduce(t, _array.host_view(host), "sum", meta.dtype, algorithm,
+                            check=check)
+            if algorithm == "native":
+                self.stats["native_nbytes"] += host.numel() * host.element_size()
+        else:
+            work = host.double() if meta.dtype == "float64" else host.float()
+            work.mul_(1.0 / t.size)
+            view = _array.host_view(work)
+            result = self._compressed(view, keys, lengths, check)
+            host.copy_(_array.from_flat(result, _array.meta_of(work)))
+        self._checked.add(sig)
+        if host is not flat:
+            flat.copy_(host)
+        self.stats["buckets"] += 1
+        self.stats["bytes_sent"] += t.stats.bytes_sent - sent
+        self.stats["comm_seconds"] += time.perf_counter() - began
+
+    def _dense_algorithm(self) -> str:
+        return "auto" if self.algorithm == "sparse_allgather" else self.algorithm
+
+    def _compressed(self, x: np.ndarray, keys: list[str], lengths: list[int],
+                    check: bool) -> np.ndarray:
+        """Compressed allreduce (sum) of flat ``x`` with the residuals of ``keys``."""
+        from ..collectives.compressed import compressed_allreduce
+
+        unit = self.residuals.begin(keys, lengths, x)
+        return compressed_allreduce(self.transport, x, _array.meta_of(x).dtype, op="sum",
+                                    algorithm=self.algorithm, compressor=self.compressor,
+                                    check=check, seed=self.seed, residuals=self.residuals,
+                                    key=unit)
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def state_dict(self, *, rank0_only: bool = False) -> dict[str, Any]:
+        """Config, counters, layout and EVERY rank's residuals. Collective: call on all ranks.
+
+        Values are tensors, ints, floats, strings, lists and dicts, so ``torch.save`` /
+        ``torch.load`` (``weights_only=True``) round-trip it. With ``rank0_only`` the
+        residuals are gathered to rank 0 only; other ranks return ``{}``.
+        """
+        return self._call(lambda: self._state_dict(rank0_only))
+
+    def _state_dict(self, rank0_only: bool) -> dict[str, Any]:
+        from ..collectives import agree
+        from ..collectives.allgather import allgatherv
+
+        t = self.transport
+        agree(t, "ddp_state_dict", rank0_only=rank0_only)
+        block = _pack_local(*self.residuals.local_state())
+        if t.size == 1:
+            blocks = [block]
+        elif rank0_only:
+            blocks = _gather_to_root(t, block)
+        else:
+            blocks = allgatherv(t, block)
+        if rank0_only and t.rank != 0:
+            return {}
+        import torch
+
+        ranks = []
+        for r, b in enumerate(blocks):
+            arrays, meta = _unpack_local(b, r)
+            ranks.append({"residuals": {k: torch.from_numpy(v) for k, v in arrays.items()},
+                          "units": meta["units"], "offsets": meta["offsets"]})
+        c = self.compressor
+        return {
+            "format": STATE_FORMAT, "version": STATE_VERSION,
+            "config": {"compressor": None if c is None else c.name,
+                       "compressor_options": {} if c is None else dict(c.get_config()),
+                       "algorithm": self.algorithm, "error_feedback": self.error_feedback,
+                       "start_iter": self.start_iter, "seed": self.seed},
+            "iter": self.iter, "world_size": t.size,
+            "layout": [list(u) for u in self._layout],
+            "ranks": ranks,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore counters, layout and this rank's share of the residuals (any rank count).
+
+        New rank ``r'`` of ``p'`` receives ``sum(e_r for r in range(p) if r % p' == r')``,
+        summed in rank order, which keeps the total error mass exactly.
+        """
+        if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
+            raise ConfigError("not a gradcomm DDP comm-hook state dict (format "
+                              f"{state.get('format') if isinstance(state, Mapping) else None!r}); "
+                              "state_dict(rank0_only=True) returns {} on ranks other than 0")
+        if state.get("version") != STATE_VERSION:
+            raise ConfigError(f"DDP comm-hook state version {state.get('version')!r}, this "
+                              f"gradcomm reads {STATE_VERSION}")
+        ranks = state["ranks"]
+        if not isinstance(ranks, list) or len(ranks) != state["world_size"]:
+            raise ConfigError(f"state holds {len(ranks)} ranks' residuals for world size "
+                              f"{state['world_size']}: it was saved incompletely")
+        p_old, p_new, me = len(ranks), self.transport.size, self.transport.rank
+        saved = [_Residuals.from_entry(entry, r) for r, entry in enumerate(ranks)]
+        if p_old == p_new:
+            restored = saved[me]
+        else:                              # hops differ at another p: fold them first
+            restored = _Residuals.redistribute(saved, p_new, me)
+        layout = [list(map(str, u)) for u in state.get("layout", [])]
+
+        def apply() -> None:
+            self.residuals.restore(restored)
+            self.iter = int(state["iter"])
+            self._checked.clear()
+            self._replay = None
+            if layout and self._names is not None:
+                if {k for u in layout for k in u} == set(self._names.values()):
+                    self._replay = layout
+                else:
+                    warnings.warn("the checkpoint's bucket layout names other parameters "
+                                  "than the bound model; not replaying it", stacklevel=3)
+        self._call(apply)
+
+    def __repr__(self) -> str:
+        return (f"CommHookState(compressor={self.compressor!r}, algorithm={self.algorithm!r}, "
+                f"transport={self.transport.name}, rank={self.transport.rank}/"
+                f"{self.transport.size}, iter={self.iter})")
+
+
+def make_comm_hook(compressor: Any = None, *, algorithm: str = "auto",
+                   error_feedback: bool = True, process_group: Any = None,
+                   transport: Any = None, start_iter: int = 0, model: Any = None,
+                   **options: Any) -> tuple[CommHookState, Callable[..., Any]]:
+    """``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``.
+
+    Args:
+        compressor: None (plain averaging), a codec name with its options in
+            ``**options`` (e.g. ``ratio=0.01``), or a Compressor.
+        algorithm: any gradcomm allreduce algorithm the compressor composes with.
+        error_feedback: keep per-parameter residuals of the compression error.
+        process_group: DDP's process group (default: the default group).
+        transport: None (point-to-point over ``process_group``), ``"mpi"``
+            (``MPI.COMM_WORLD``, for jobs started with mpirun), an mpi4py communicator or a
+            gradcomm Transport.
+        start_iter: backward passes to run uncompressed first.
+        model: the DDP model (or its module), to name residuals after its parameters.
+        options: codec options, plus ``seed`` (stochastic codecs) and ``timeout``
+            (seconds per blocking wait).
+
+    See the module docstring for the steps, checkpoints and parity.
+    """
+    state = CommHookState(compressor, algorithm=algorithm, error_feedback=error_feedback,
+                          process_group=process_group, transport=transport,
+                          start_iter=start_iter, model=model, **options)
+    return state, comm_hook
+
+
+def comm_hook(state: CommHookState, bucket):  # type: ignore[no-untyped-def]
+    """The DDP hook: queue ``bucket`` on ``state``'s worker; return its future.
+
+    (Unannotated on purpose: DDP rejects any annotation but the real types, and this
+    module's annotations are strings.)
+    """
+    import torch
+
+    fut: Any = torch.futures.Future()
+    try:
+        params = bucket.parameters()
+        keys = state._keys(params)
+        lengths = [int(p.numel()) for p in params]
+        buf = bucket.buffer()
+        if sum(lengths) != buf.numel():
+            raise ConfigError(f"bucket {bucket.index()} holds {buf.numel()} elements but its "
+                              f"parameters {sum(lengths)} (sparse gradients are unsupported)")
+        last, event = bucket.is_last(), None
+        if buf.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        state._submit(lambda: state._bucket(buf, keys, lengths, last, fut, event))
+    except BaseException as exc:
+        fut.set_exception(exc)
+    return fut
+
+
+# -- residuals ----------------------------------------------------------------------------
+class _Residuals(ErrorFeedback):
+    """Residuals by parameter name, plus the per-hop residuals of the units reduced.
+
+    Handed to ``compressed_allreduce`` as its ``residuals``: the hook adds each parameter's
+    residual to its slice itself (:meth:`begin`), so ``compensate`` is the identity and
+    ``update`` cuts ``x - decoded`` back into per-parameter residuals. Collectives that
+    re-compress per hop keep ``"<unit>#<hop>"`` residuals here; ``locate`` records where
+    each lies in its unit, so that when the unit disappears (bucket rebuild, another
+    rank count) its hop residuals are folded into the parameters' residuals, losing
+    nothing. Seeds follow the hook's iteration (``step``), identical on every rank.
+    """
+
+    def __init__(self, enabled: bool, clock: Callable[[], int]) -> None:
+        super().__init__(enabled)
+        self.clock = clock
+        self.units: dict[str, tuple[list[str], list[int]]] = {}
+        self.offsets: dict[str, int] = {}
+        self._segments: list[tuple[str, int, int]] = []
+        self._used: set[str] = set()
+
+    # what compressed_allreduce calls
+    def step(self, key: str) -> int:
+        return self.clock()
+
+    def advance(self, key: str) -> None:
+        pass
+
+    def compensate(self, key: str, x: np.ndarray) -> np.ndarray:
+        return x
+
+    def update(self, key: str, x: np.ndarray, decoded: np.ndarray) -> None:
+        if self.enabled:
+            for name, a, b in self._segments:
+                np.subtract(x[a:b], decoded[a:b], out=self.residual(name, b - a, x.dtype))
+
+    def locate(self, name: str, offset: int) -> None:
+        """Record that hop residual ``name`` starts at ``offset`` of its unit."""
+        self.offsets[name] = int(offset)
+
+    # what the hook calls
+    def begin(self, keys: list[str], lengths: list[int], x: np.ndarray) -> str:
+        """Add each parameter's residual to its slice of ``x``; the unit's key."""
+        import hashlib
+
+        unit = "unit:" + hashlib.sha1("|".join(keys).encode()).hexdigest()[:16]
+        self.units[unit] = (list(keys), list(lengths))
+        self._used.add(unit)
+        self._segments = []
+        a = 0
+        for name, n in zip(keys, lengths):
+            self._segments.append((name, a, a + n))
+            e = self._residuals.get(name) if self.enabled else None
+            if e is not None:
+                if e.shape == (n,) and e.dtype == x.dtype:
+                    x[a:a + n] += e
+                    e[...] = 0
+                else:
+                    self.residual(name, n, x.dtype)          # warns and resets
+            a += n
+        return unit
+
+    def fold_unused(self, t: Transport | None = None) -> None:
+        """Fold the hop residuals of units not reduced since the last call.
+
+        Collective over ``t`` when there is something to fold (every rank has the same
+        units): a hop residual that several ranks hold identically (recursive doubling
+        rounds a replicated partial sum on every rank of a group) is owed once, not once
+        per copy, so the ranks first count the copies of each (name, offset, bytes).
+        """
+        stale = [u for u in self.units if u not in self._used]
+        self._used = set()
+        if not stale:
+            return
+        mine = self.digests(stale)
+        if t is not None and t.size > 1:
+            from ..collectives.allgather import allgatherv
+
+            blocks = allgatherv(t, np.frombuffer(msgpack.packb(mine), np.uint8))
+            every = [msgpack.unpackb(b.tobytes(), raw=False) for b in blocks]
+        else:
+            every = [mine]
+        copies = _count_copies(every)[0 if t is None else t.rank]
+        for unit in stale:
+            self.fold(unit, copies)
+
+    def digests(self, units: Sequence[str]) -> dict[str, list[int]]:
+        """``{hop name: [offset, size, crc32]}`` of the hop residuals of ``units``."""
+        import zlib
+
+        out = {}
+        for unit in units:
+            prefix = unit + HOP_SEP
+            for hop, e in self._residuals.items():
+                if hop.startswith(prefix):
+                    out[hop] = [self.offsets.get(hop, -1), int(e.size),
+                                zlib.crc32(e.tobytes())]
+        return out
+
+    def fold(self, unit: str, copies: Mapping[str, int] | None = None) -> None:
+        """Move unit ``unit``'s hop residuals, each divided by its number of ``copies``
+        across the ranks, into its parameters' residuals."""
+        names, lengths = self.units.pop(unit)
+        starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        prefix = unit + HOP_SEP
+        for hop in [h for h in self._residuals if h.startswith(prefix)]:
+            e = self._residuals.pop(hop)
+            off = self.offsets.pop(hop, None)
+            if off is None:
+                if np.any(e):
+                    warnings.warn(f"hop residual {hop!r} has no recorded offset; its error "
+                                  "mass is dropped", stacklevel=2)
+                continue
+            c = (copies or {}).get(hop, 1)
+            if c > 1:
+                e = e / e.dtype.type(c)
+            for i, name in enumerate(names):
+                lo, hi = max(off, starts[i]), min(off + e.size, starts[i + 1])
+                if lo < hi:
+                    dst = self.residual(name, lengths[i], e.dtype)
+                    dst[lo - starts[i]:hi - starts[i]] += e[lo - off:hi - off]
+
+    def local_state(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        units = {u: {"names": n, "lengths": ls} for u, (n, ls) in self.units.items()}
+        return dict(self._residuals), {"units": units, "offsets": dict(self.offsets)}
+
+    def restore(self, other: _Residuals) -> None:
+        self._residuals, self.units, self.offsets = other._residuals, other.units, other.offsets
+        self._used = set(self.units)     # the replayed first iteration uses them again
+
+    def copy(self) -> _Residuals:
+        """An independent copy (arrays, units, offsets)."""
+        out = type(self)(self.enabled, self.clock)
+        out._residuals = {k: v.copy() for k, v in self._residuals.items()}
+        out.units = {k: (list(n), list(ls)) for k, (n, ls) in self.units.items()}
+        out.offsets = dict(self.offsets)
+        return out
+
+    @classmethod
+    def from_entry(cls, entry: Mapping[str, Any], rank: int) -> _Residuals:
+        """One saved rank's residuals (``state_dict()["ranks"][rank]``)."""
+        r = cls(True, lambda: 0)
+        try:
+            for k, v in entry["residuals"].items():
+                arr = np.array(_numpy(v), copy=True)
+                if arr.dtype.kind != "f":
+                    raise ConfigError(f"residual {k!r} of rank {rank} is not floating")
+                r._residuals[str(k)] = arr
+            for u, d in entry["units"].items():
+                r.units[str(u)] = ([str(n) for n in d["names"]], [int(n) for n in d["lengths"]])
+            r.offsets = {str(k): int(v) for k, v in entry["offsets"].items()}
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ConfigError(f"malformed residuals of rank {rank} in the state: {exc}") from None
+        return r
+
+    @classmethod
+    def redistribute(cls, saved: list[_Residuals], p_new: int, rank: int) -> _Residuals:
+        """This rank's residuals at ``p_new`` ranks from every saved rank's residuals.
+
+        Hop residuals are folded into per-parameter residuals (divided by their number of
+        identical copies among the saved ranks), then new rank ``rank`` sums the residuals
+        of the saved ranks ``r`` with ``r % p_new == rank``, in rank order.
+        """
+        copies = _count_copies([part.digests(list(part.units)) for part in saved])
+        out = cls(True, lambda: 0)
+        for r, original in enumerate(saved):
+            if r % p_new != rank:
+                continue
+            part = original.copy()
+            for unit in list(part.units):
+                part.fold(unit, copies[r])
+            for name, e in part._residuals.items():
+                if HOP_SEP in name:
+                    continue                 # a hop of an unknown unit: nothing to map
+                mine = out._residuals.get(name)
+                if mine is None:
+                    out._residuals[name] = e.copy()
+                elif mine.shape == e.shape:
+                    mine += e
+                else:
+                    raise ConfigError(f"residual {name!r} has {e.size} elements on one saved "
+                                      f"rank and {mine.size} on another")
+        return out
+
+
+def _count_copies(every: list[Mapping[str, list[int]]]) -> list[dict[str, int]]:
+    """For each rank's digests, how many ranks hold each of its hop residuals identically."""
+    from collections import Counter
+
+    seen = Counter((name, *map(int, d)) for digests in every for name, d in digests.items())
+    return [{name: seen[(name, *map(int, d))] for name, d in digests.items()}
+            for digests in every]
+
+
+# -- helpers ------------------------------------------------------------------------------
+class _Replay:
+    """Regroups the buckets of one iteration into a saved layout of parameter units."""
+
+    def __init__(self, layout: list[list[str]]) -> None:
+        self.units = layout
+        self.next = 0
+        self.views: dict[str, Any] = {}
+        self.buckets: list[tuple[Any, Any, set[str]]] = []   # (fut, buf, keys left)
+
+    def add(self, buf: Any, keys: list[str], lengths: list[int], fut: Any) -> None:
+        offset = 0
+        for k, n in zip(keys, lengths):
+            self.views[k] = buf[offset:offset + n]
+            offset += n
+        self.buckets.append((fut, buf, set(keys)))
+
+    def ready(self) -> Any:
+        while self.next < len(self.units) and all(k in self.views for k in
+                                                  self.units[self.next]):
+            unit = self.units[self.next]
+            self.next += 1
+            yield unit, [self.views[k] for k in unit]
+
+    def done(self, keys: list[str]) -> list[tuple[Any, Any]]:
+        """Mark ``keys`` reduced; the (future, buffer) of buckets now complete."""
+        complete = []
+        for entry in self.buckets:
+            fut, buf, left = entry
+            if left:
+                left.difference_update(keys)
+                if not left:
+                    complete.append((fut, buf))
+        return complete
+
+    def left(self) -> list[str]:
+        return [k for u in self.units[self.next:] for k in u] + \
+            [k for _, _, left in self.buckets for k in left]
+
+    def fail(self, exc: BaseException) -> None:
+        for fut, _, _ in self.buckets:
+            if not fut.done():
+                fut.set_exception(exc)
+
+
+def _work(q: queue.SimpleQueue[Callable[[], None] | None]) -> None:
+    while True:
+        task = q.get()
+        if task is None:
+            return
+        task()
+
+
+def _resolve_transport(transport: Any, process_group: Any, timeout: float | None) -> Transport:
+    if isinstance(transport, str):
+        if transport == "mpi":
+            from mpi4py import MPI
+
+            return get_transport(MPI.COMM_WORLD, timeout=timeout)
+        if transport != "torch":
+            raise ConfigError(f"transport must be None, 'torch', 'mpi', an mpi4py "
+                              f"communicator or a Transport; got {transport!r}")
+        transport = None
+    if transport is not None:
+        return get_transport(transport, timeout=timeout)
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise ConfigError("make_comm_hook needs torch.distributed initialised (DDP does) "
+                          "or transport=")
+    return get_transport(process_group if process_group is not None else dist.group.WORLD,
+                         timeout=timeout)
+
+
+def _numpy(v: Any) -> np.ndarray:
+    if isinstance(v, np.ndarray):
+        return v.reshape(-1)
+    return v.detach().cpu().numpy().reshape(-1)
+
+
+# A rank's residuals travel as: uint64 header length, msgpack header {"arrays": [[name,
+# dtype, count], ...], "meta": {...}}, then the raw arrays in header order. No pickle.
+_MAX_STATE_HEADER = 1 << 26
+
+
+def _pack_local(arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> np.ndarray:
+    table = [[k, v.dtype.str, int(v.size)] for k, v in arrays.items()]
+    hb = msgpack.packb({"arrays": table, "meta": dict(meta)}, use_bin_type=True)
+    return np.concatenate([np.array([len(hb)], np.uint64).view(np.uint8),
+                           np.frombuffer(hb, np.uint8),
+                           *[np.ascontiguousarray(v).reshape(-1).view(np.uint8)
+                             for v in arrays.values()]])
+
+
+def _unpack_local(block: np.ndarray, rank: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    raw = np.ascontiguousarray(block).reshape(-1).view(np.uint8)
+    bad = f"rank {rank}'s comm-hook state is corrupt"
+    if raw.size < 8:
+        raise PayloadError(f"{bad}: {raw.size} bytes")
+    n = int(raw[:8].view(np.uint64)[0])
+    if n > min(_MAX_STATE_HEADER, raw.size - 8):
+        raise PayloadError(f"{bad}: header of {n} bytes")
+    try:
+        head = msgpack.unpackb(raw[8:8 + n].tobytes(), raw=False)
+        table, meta = head["arrays"], head["meta"]
+    except Exception as exc:
+        raise PayloadError(f"{bad}: {exc}") from None
+    pos, arrays = 8 + n, {}
+    for entry in table:
+        try:
+            name, dt, count = str(entry[0]), np.dtype(entry[1]), int(entry[2])
+        except (TypeError, ValueError, IndexError) as exc:
+            raise PayloadError(f"{bad}: entry {entry!r}: {exc}") from None
+        size = count * dt.itemsize
+        if dt.kind != "f" or count < 0 or pos + size > raw.size:
+            raise PayloadError(f"{bad}: entry {name!r}")
+        arrays[name] = raw[pos:pos + size].copy().view(dt)
+        pos += size
+    if pos != raw.size:
+        raise PayloadError(f"{bad}: {raw.size - pos} trailing bytes")
+    return arrays, meta
+
+
+def _gather_to_root(t: Transport, block: np.ndarray) -> list[np.ndarray]:
+    from ..comm.base import TAG_DATA, TAG_SIZES
+
+    if t.rank != 0:
+        t.send(np.array([block.size], np.int64), 0, TAG_SIZES)
+        t.send(block, 0, TAG_DATA)
+        return []
+    blocks = [block]
+    for r in range(1, t.size):
+        size = np.empty(1, np.int64)
+        t.recv(size, r, TAG_SIZES)
+        if not 0 <= size[0] <= 1 << 40:
+            raise PayloadError(f"rank {r} announced a state of {size[0]} bytes")
+        b = np.empty(int(size[0]), np.uint8)
+        t.recv(b, r, TAG_DATA)
+        blocks.append(b)
+    return blocks
+
+
+__all__ = ["CommHookState", "STATE_FORMAT", "STATE_VERSION", "UnboundModelWarning",
+           "comm_hook", "make_comm_hook"]

@@ -1,0 +1,175 @@
+"""The DDP comm hook: real gloo processes and real mpirun, plus the state logic in-process.
+
+The multi-process checks live in ``scripts/ddp_checks.py`` and run many per launch
+(process start-up dominates): parity with DDP's built-in allreduce (bitwise), every codec
+trains with identical parameters on every rank, residuals survive bucket rebuilds and a
+change of bucket_cap_mb (telescoping identity), checkpoint-resume is bitwise equal to the
+unbroken run, join() with uneven inputs, and checkpoints moving between rank counts.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import gradcomm  # noqa: E402
+from gradcomm.comm import run_ranks  # noqa: E402
+from gradcomm.errors import ConfigError, PayloadError, UnsupportedError  # noqa: E402
+from gradcomm.integrations import ddp  # noqa: E402
+from tests._launch import free_port, mpirun, require_mpi, torchrun  # noqa: E402
+
+SCRIPTS = Path(__file__).parent / "scripts"
+CHECKS = SCRIPTS / "ddp_checks.py"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def assert_clean(run, n: int) -> list[dict]:
+    results = run.results(n)
+    errors = [e for r in results for e in r["errors"]]
+    assert not errors, "\n".join(errors) + "\n" + run.describe()
+    return results
+
+
+# -- real processes ---------------------------------------------------------------------------
+@pytest.mark.timeout(150)
+def test_hook_on_two_gloo_processes():
+    run = torchrun(CHECKS, 2, "parity", "compressors", "rebuild", "resume", "join",
+                   timeout=140)
+    info = assert_clean(run, 2)[0]["info"]
+    assert info["compressors"], info
+
+
+@pytest.mark.timeout(120)
+def test_hook_on_three_gloo_processes_and_between_rank_counts():
+    run = torchrun(CHECKS, 3, "parity", "join", "resize", timeout=110)
+    assert_clean(run, 3)
+
+
+@pytest.mark.timeout(120)
+def test_hook_under_mpirun_with_the_mpi_transport():
+    require_mpi()
+    run = mpirun(CHECKS, 2, "parity", "compressors", "resume", "join", "--quick",
+                 "--port", str(free_port()), timeout=110)
+    assert_clean(run, 2)
+
+
+@pytest.mark.timeout(120)
+def test_ddp_train_example_under_torchrun_and_mpirun():
+    run = torchrun(EXAMPLES / "ddp_train.py", 2, "--compressor", "topk", "--ratio", "0.05",
+                   "--epochs", "2", timeout=100)
+    res = run.results(1)[0]
+    assert res["accuracy"] > 0.5 and res["bytes_sent"] > 0, res
+    require_mpi()
+    run = mpirun(EXAMPLES / "ddp_train.py", 2, "--compressor", "fp16", "--algorithm", "ring",
+                 "--epochs", "1", timeout=100)
+    res = run.results(1)[0]
+    assert res["transport"] == "mpi" and res["bytes_sent"] > 0, res
+
+
+# -- in-process: arguments, state format, residual arithmetic ----------------------------------
+def one_rank(fn):
+    return run_ranks(1, fn, timeout=30)[0]
+
+
+def test_arguments_are_validated_early():
+    def fn(t):
+        with pytest.raises(ConfigError, match="unknown algorithm"):
+            ddp.make_comm_hook(None, algorithm="bogus", transport=t)
+        with pytest.raises(ConfigError, match="start_iter"):
+            ddp.make_comm_hook(None, start_iter=-1, transport=t)
+        with pytest.raises(ConfigError, match="compressor options"):
+            ddp.make_comm_hook(None, ratio=0.1, transport=t)
+        with pytest.raises(ConfigError, match="transport"):
+            ddp.make_comm_hook(None, transport="carrier-pigeon")
+        with pytest.raises(KeyError, match="unknown compressor"):
+            ddp.make_comm_hook("nope", transport=t)
+        lossy = [n for n in gradcomm.compressors.names() if n != "none"]
+        if lossy:
+            with pytest.raises(UnsupportedError, match="native"):
+                ddp.make_comm_hook(lossy[0], algorithm="native", transport=t)
+        state, hook = ddp.make_comm_hook(None, transport=t)
+        assert hook is ddp.comm_hook and "rank=0/1" in repr(state)
+        with pytest.raises(ConfigError, match="Module"):
+            state.bind(object())
+        state.close()
+        state.close()                                   # idempotent
+        return True
+
+    assert one_rank(fn)
+
+
+def test_state_dict_round_trips_through_torch_save_weights_only():
+    def fn(t):
+        state, _ = ddp.make_comm_hook(None, transport=t)
+        state.residuals.residual("w", 3, np.float32)[...] = [1, 2, 3]
+        state.iter = 7
+        sd = state.state_dict()
+        buf = io.BytesIO()
+        torch.save(sd, buf)
+        loaded = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+        other, _ = ddp.make_comm_hook(None, transport=t)
+        other.load_state_dict(loaded)
+        out = (other.iter, other.residuals._residuals["w"].tolist())
+        with pytest.raises(ConfigError, match="format"):
+            other.load_state_dict({"format": "something else"})
+        with pytest.raises(ConfigError, match="rank0_only"):
+            other.load_state_dict({})
+        state.close(), other.close()
+        return out
+
+    assert one_rank(fn) == (7, [1.0, 2.0, 3.0])
+
+
+def _res(named: dict, units=(), offsets=None) -> ddp._Residuals:
+    r = ddp._Residuals(True, lambda: 0)
+    for k, v in named.items():
+        r._residuals[k] = np.asarray(v, np.float32)
+    for u, names, lengths in units:
+        r.units[u] = (names, lengths)
+    r.offsets = dict(offsets or {})
+    return r
+
+
+def test_fold_maps_hop_residuals_to_parameters_and_divides_replicas():
+    # unit "u" = a (2 elements) then b (3): hop e0 covers [1, 4), hop f1 covers [0, 5)
+    r = _res({"a": [0, 0], "b": [0, 0, 0], "u#e0": [1, 2, 3], "u#f1": [4, 4, 4, 4, 4]},
+             [("u", ["a", "b"], [2, 3])], {"u#e0": 1, "u#f1": 0})
+    r.fold("u", {"u#f1": 2})                           # f1 held by two ranks: owed once
+    assert r._residuals["a"].tolist() == [2, 3]
+    assert r._residuals["b"].tolist() == [4, 5, 2]
+    assert "u#e0" not in r._residuals and not r.units and not r.offsets
+
+
+def test_redistribute_preserves_the_total_error_mass_at_any_rank_count():
+    rng = np.random.default_rng(0)
+    saved = []
+    for rank in range(4):                              # hop f0 replicated on all 4 ranks
+        saved.append(_res({"a": rng.standard_normal(3), "u#e0": rng.standard_normal(2),
+                           "u#f0": [1.0, 2.0, 3.0]},
+                          [("u", ["a"], [3])], {"u#e0": 1, "u#f0": 0}))
+    total = sum(s._residuals["a"].astype(np.float64) for s in saved)
+    total[1:] += sum(s._residuals["u#e0"].astype(np.float64) for s in saved)
+    total += [1, 2, 3]
+    for p_new in (1, 2, 3, 4, 5):
+        copies = [ddp._Residuals.from_entry(
+            {"residuals": dict(s._residuals), "units": {"u": {"names": ["a"], "lengths": [3]}},
+             "offsets": dict(s.offsets)}, i) for i, s in enumerate(saved)]
+        got = sum(ddp._Residuals.redistribute(copies, p_new, r)._residuals.get(
+            "a", np.zeros(3)).astype(np.float64) for r in range(p_new))
+        np.testing.assert_allclose(got, total, rtol=1e-6, atol=1e-6, err_msg=f"p_new={p_new}")
+
+
+def test_packed_rank_state_is_validated():
+    block = ddp._pack_local({"a": np.arange(3, dtype=np.float32)}, {"units": {}, "offsets": {}})
+    arrays, meta = ddp._unpack_local(block, 0)
+    assert arrays["a"].tolist() == [0, 1, 2] and meta == {"units": {}, "offsets": {}}
+    for bad in (block[:5], block[:-1], np.concatenate([block, block[:1]]),
+                np.concatenate([np.array([2 ** 40], np.uint64).view(np.uint8), block[8:]])):
+        with pytest.raises(PayloadError):
+            ddp._unpack_local(bad, 1)
+

@@ -13,50 +13,24 @@ from pathlib import Path
 import pytest
 
 from tests._launch import mpirun, require_mpi
+from tests.comm.scripts.conformance import check_conformance
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
-CORE = {"ring", "tree", "recursive_doubling", "rabenseifner", "native"}
 
 
-def check_conformance(results: list[dict], n: int, *, native_16bit: bool) -> None:
-    """Every rank exact, no errors, every rank the same digests for the same cases."""
-    from gradcomm.collectives import DENSE
-
-    assert [r["rank"] for r in results] == list(range(n))
-    for r in results:
-        assert r["size"] == n
-        assert r["errors"] == [], f"rank {r['rank']}: {r['errors'][:10]}"
-    first = results[0]["digests"]
-    algorithms = {case.split("/")[0] for case in first}
-    assert algorithms == set(DENSE) and CORE <= algorithms
-    for r in results[1:]:
-        assert r["digests"].keys() == first.keys(), f"rank {r['rank']} ran other cases"
-        differ = [c for c in first if r["digests"][c] != first[c]]
-        assert not differ, f"rank {r['rank']} holds other bytes than rank 0 in {differ[:10]}"
-        assert r["unsupported"] == results[0]["unsupported"]
-    unsupported = {tuple(c.split("/")[::2]) for c in results[0]["unsupported"]}
-    if native_16bit:
-        assert not unsupported
-    else:                                     # MPI: 16-bit floats refused, never mis-summed
-        assert {a for a, _ in unsupported} <= {"native"}
-        assert {d for _, d in unsupported} == {"float16", "bfloat16"}
-
-
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(150)
 @pytest.mark.parametrize("n", [2, 3, 4])
-def test_conformance_matrix_under_mpirun(n: int) -> None:
+def test_conformance_and_error_paths_under_mpirun(n: int) -> None:
+    """One launch per rank count: the whole matrix, then every error path."""
     require_mpi()
-    run = mpirun(SCRIPTS / "conformance.py", n, timeout=100)
-    results = run.results(n)
-    assert {r["transport"] for r in results} == {"mpi"}
-    check_conformance(results, n, native_16bit=False)
+    results = mpirun(SCRIPTS / "mpi_errors.py", n, "--matrix", timeout=130).results(n)
+    matrix = [r["matrix"] for r in results]
+    assert {m["transport"] for m in matrix} == {"mpi"}
+    check_conformance(matrix, n, native_16bit=False)
+    check_error_paths(results)
 
 
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("n", [2, 3])
-def test_error_paths_under_mpirun(n: int) -> None:
-    require_mpi()
-    results = mpirun(SCRIPTS / "mpi_errors.py", n, timeout=50).results(n)
+def check_error_paths(results: list[dict]) -> None:
     from gradcomm.collectives import DENSE
 
     for r in results:

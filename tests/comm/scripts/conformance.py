@@ -19,6 +19,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
@@ -29,36 +30,27 @@ SMALL_DTYPES = ("bfloat16", "float32", "int8", "int64")
 SMALL_OPS = ("sum", "max", "mean")
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--launcher", default="mpi", choices=["mpi", "torch"])
-    ap.add_argument("--small", action="store_true", help="a subset (for slow gloo)")
-    ap.add_argument("--large", type=int, default=65537)
-    ap.add_argument("--algorithms", default="", help="comma list (default: all DENSE)")
-    args = ap.parse_args(argv)
-    if args.launcher == "torch":
-        import torch.distributed as dist
-
-        dist.init_process_group("gloo")
+def run_matrix(t: Any, *, small: bool = False, large: int = 65537,
+               algorithms: Sequence[str] = ()) -> dict[str, Any]:
+    """Run the matrix on transport ``t``; this rank's errors, digests and the cases the
+    library refused (UnsupportedError)."""
     from gradcomm.collectives import DENSE, dense_allreduce
-    from gradcomm.comm import get_transport
     from gradcomm.errors import UnsupportedError
 
-    t = get_transport(None, timeout=60)
     p, rank = t.size, t.rank
-    algorithms = [a for a in args.algorithms.split(",") if a] or list(DENSE)
-    if "native" in algorithms:                     # native first: the others compare to it
-        algorithms.remove("native")
-        algorithms.insert(0, "native")
-    dtypes = SMALL_DTYPES if args.small else DTYPES
-    ops = SMALL_OPS if args.small else OPS
-    counts = small_counts(p) + [args.large]
+    algos = list(algorithms) or list(DENSE)
+    if "native" in algos:                      # native first: the others compare to it
+        algos.remove("native")
+        algos.insert(0, "native")
+    dtypes = SMALL_DTYPES if small else DTYPES
+    ops = SMALL_OPS if small else OPS
+    counts = small_counts(p) + [large]
     errors: list[str] = []
     digests: dict[str, str] = {}
     native: dict[tuple[str, str, int], bytes] = {}
     unsupported: list[str] = []
     start = time.perf_counter()
-    for algo in algorithms:
+    for algo in algos:
         for op in ops:
             for dtype in dtypes:
                 if not op_applies(op, dtype):
@@ -86,9 +78,27 @@ def main(argv: list[str] | None = None) -> int:
                     elif key in native and native[key] != buf.tobytes():
                         errors.append(f"{case}: differs from native's result")
                     digests[case] = hashlib.blake2b(buf.tobytes(), digest_size=8).hexdigest()
-    res = {"rank": rank, "size": p, "transport": t.name, "errors": errors,
-           "digests": digests, "unsupported": unsupported,
-           "seconds": round(time.perf_counter() - start, 2)}
+    return {"rank": rank, "size": p, "transport": t.name, "errors": errors,
+            "digests": digests, "unsupported": unsupported,
+            "seconds": round(time.perf_counter() - start, 2)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--launcher", default="mpi", choices=["mpi", "torch"])
+    ap.add_argument("--small", action="store_true", help="a subset (for slow gloo)")
+    ap.add_argument("--large", type=int, default=65537)
+    ap.add_argument("--algorithms", default="", help="comma list (default: all DENSE)")
+    args = ap.parse_args(argv)
+    if args.launcher == "torch":
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+    from gradcomm.comm import get_transport
+
+    t = get_transport(None, timeout=60)
+    res = run_matrix(t, small=args.small, large=args.large,
+                     algorithms=[a for a in args.algorithms.split(",") if a])
     print("RESULT " + json.dumps(res), flush=True)
     t.barrier()
     if args.launcher == "torch":
@@ -96,6 +106,31 @@ def main(argv: list[str] | None = None) -> int:
 
         dist.destroy_process_group()
     return 0
+
+
+def check_conformance(results: list[dict], n: int, *, native_16bit: bool) -> None:
+    """Every rank exact, no errors, every rank the same digests for the same cases."""
+    from gradcomm.collectives import DENSE
+
+    core = {"ring", "tree", "recursive_doubling", "rabenseifner", "native"}
+    assert [r["rank"] for r in results] == list(range(n))
+    for r in results:
+        assert r["size"] == n
+        assert r["errors"] == [], f"rank {r['rank']}: {r['errors'][:10]}"
+    first = results[0]["digests"]
+    algorithms = {case.split("/")[0] for case in first}
+    assert algorithms == set(DENSE) and core <= algorithms
+    for r in results[1:]:
+        assert r["digests"].keys() == first.keys(), f"rank {r['rank']} ran other cases"
+        differ = [c for c in first if r["digests"][c] != first[c]]
+        assert not differ, f"rank {r['rank']} holds other bytes than rank 0 in {differ[:10]}"
+        assert r["unsupported"] == results[0]["unsupported"]
+    unsupported = {tuple(c.split("/")[::2]) for c in results[0]["unsupported"]}
+    if native_16bit:
+        assert not unsupported
+    else:                                     # MPI: 16-bit floats refused, never mis-summed
+        assert {a for a, _ in unsupported} <= {"native"}
+        assert {d for _, d in unsupported} == {"float16", "bfloat16"}
 
 
 if __name__ == "__main__":

@@ -3,7 +3,10 @@
 Each check records what happened on this rank; the test asserts every rank saw the same
 error class. Prints ``RESULT {json}``.
 
-    mpirun -n 3 python -m mpi4py tests/comm/scripts/mpi_errors.py
+    mpirun -n 3 python -m mpi4py tests/comm/scripts/mpi_errors.py [--matrix]
+
+With ``--matrix`` the conformance matrix (``conformance.run_matrix``) runs first, in the
+same launch, and its result is the ``"matrix"`` field.
 """
 
 from __future__ import annotations
@@ -42,6 +45,10 @@ def main() -> int:
     rank, p = t.rank, t.size
     res: dict[str, Any] = {"rank": rank, "transport": type(t).__name__,
                            "cached": get_transport(world) is t}
+    if "--matrix" in sys.argv[1:]:
+        from tests.comm.scripts.conformance import run_matrix
+
+        res["matrix"] = run_matrix(t)
 
     # ranks disagree on count / dtype / op: MismatchError on every rank, any algorithm
     for algo in DENSE:

@@ -25,17 +25,26 @@ rebuild after the first iteration and a change of ``bucket_cap_mb``. Names come 
 e.g. ``"0.weight"``. Unbound, the hook names parameters ``"param.<i>"`` in the order DDP
 first hands them over (deterministic for a given model and ``bucket_cap_mb``) and warns
 once: bind the model to make checkpoints robust to layout changes and resumes bitwise.
+Collectives that re-compress at every hop (ring, tree, recursive doubling, Rabenseifner)
+also keep one residual per hop of a *unit* (the parameters reduced together); when a
+unit is not reduced again (bucket rebuild, another ``bucket_cap_mb``, another rank
+count), its hop residuals are folded into the residuals of the parameters they cover. A
+hop residual that several ranks hold identically (recursive doubling rounds a replicated
+partial sum on every rank of a group; detected by comparing bytes across ranks) is owed
+once, so each copy contributes ``1/copies``. No error mass is dropped.
 
 **Checkpoints.** ``state.state_dict()`` is collective: call it on every rank (like a
 barrier); every rank then holds every rank's residuals (``rank0_only=True``: only rank 0
 does, the others get ``{}``), so a single ``torch.save`` on rank 0 is a complete
 checkpoint that loads with ``torch.load(path)`` (tensors, ints and strings only).
-``load_state_dict`` is local and accepts a checkpoint taken at any rank count ``p``:
-new rank ``r'`` of ``p'`` takes the sum of the old residuals of ranks ``r`` with
-``r mod p' == r'`` (at ``p' == p`` exactly its own). Residuals are in units of the
-reduced sum (gradients are divided by ``p`` before they are added), so the total error
-mass ``sum_r e_r`` — what the ranks together still owe the model — is preserved exactly,
-whatever ``p'`` is. The state also stores the bucket layout of the last iteration and
+``load_state_dict`` is local and accepts a checkpoint taken at any rank count ``p``.
+At ``p' == p`` each rank takes its own residuals back unchanged. At ``p' != p`` every
+old rank's hop residuals are folded into its per-parameter residuals, and new rank
+``r'`` takes the sum of those of the old ranks ``r`` with ``r mod p' == r'``. Residuals
+are in units of the reduced sum (gradients are divided by ``p`` before they are
+added), so the total error mass ``sum_r e_r`` — what the ranks together still owe the
+model — is preserved whatever ``p'`` is (up to one float rounding per added element;
+DeepSpeed drops it). The state also stores the bucket layout of the last iteration and
 replays it in the first iteration after a load (DDP starts a new process with its
 initial layout and rebuilds only after one iteration), so a resumed run reduces the same
 groups as the unbroken one and, on CPU, ends with bitwise the same parameters.
@@ -372,7 +381,8 @@ class CommHookState:
         """Restore counters, layout and this rank's share of the residuals (any rank count).
 
         New rank ``r'`` of ``p'`` receives ``sum(e_r for r in range(p) if r % p' == r')``,
-        summed in rank order, which keeps the total error mass exactly.
+        summed in rank order (hop residuals folded first), which keeps the total error
+        mass up to float rounding.
         """
         if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
             raise ConfigError("not a gradcomm DDP comm-hook state dict (format "

@@ -286,7 +286,8 @@ def check_join(base: int = 3) -> None:
 def check_resize(steps: int = 3) -> None:
     """Checkpoints move between rank counts (run with 3 processes): saved on a 2-rank
     subgroup, loaded at 3 ranks, and saved at 3, loaded on 2. The total error mass is
-    preserved exactly, and training continues with identical parameters."""
+    preserved (exactly 2->3: one old rank per new rank; up to one float32 rounding per
+    element 3->2), and training continues with identical parameters."""
     p, r = dist.get_world_size(), dist.get_rank()
     assert p == 3, "check_resize needs 3 processes"
     sub = dist.new_group([0, 1])
@@ -329,8 +330,11 @@ def _resized(blob: bytes, name: str, algo: str, group, steps: int, label: str) -
     state.load_state_dict(ck["hook"])
     before = total_mass(ck["hook"])
     after = total_mass(state.state_dict())
+    exact = "2->3" in label
     for k, v in before.items():
-        if k not in after or not np.array_equal(after[k], v):
+        ok = k in after and (np.array_equal(after[k], v) if exact else
+                             np.allclose(after[k], v, rtol=1e-6, atol=1e-7 * np.abs(v).max()))
+        if not ok:
             fail(f"resize {label}: error mass of {k} not preserved")
             break
     opt = torch.optim.SGD(model.parameters(), lr=0.05)

@@ -33,7 +33,7 @@ class Bf16Compressor(Compressor):
                  out: Payload | None = None) -> Payload:
         x = as_input(x, self.name)
         v = reuse(out, "v", np.uint16, x.size)
-        _kernels.get().f32_to_bf16(as_float32(x), v)
+        _kernels.for_size(x.size).f32_to_bf16(as_float32(x), v)
         return Payload(self.name, {"n": x.size, "dt": dtype_code(x.dtype)}, {"v": v})
 
     def decompress(self, payload: Payload, out: np.ndarray | None = None) -> np.ndarray:
@@ -42,7 +42,7 @@ class Bf16Compressor(Compressor):
         n = r.int("n", 0, 1 << 62)
         v = r.buffer("v", "uint16", n)
         out = make_out(out, n, dt)
-        k = _kernels.get()
+        k = _kernels.for_size(n)
         tmp = _kernels.f32_target(out)
         k.bf16_to_f32(v, tmp)
         return _kernels.f32_finish(tmp, out, k)

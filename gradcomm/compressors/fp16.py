@@ -38,7 +38,7 @@ class Fp16Compressor(Compressor):
         if x.dtype == np.float16:
             v[...] = x
         elif x.dtype == np.float32:
-            _kernels.get().f32_to_f16(x, v.view(np.uint16))
+            _kernels.for_size(x.size).f32_to_f16(x, v.view(np.uint16))
         else:                                   # float64: rounded once, directly to half
             _numpy.f32_to_f16(x, v.view(np.uint16))
         return Payload(self.name, {"n": x.size, "dt": dtype_code(x.dtype)}, {"v": v})
@@ -52,7 +52,7 @@ class Fp16Compressor(Compressor):
         if dt == np.float16:
             out[...] = v
         else:
-            k = _kernels.get()
+            k = _kernels.for_size(n)
             tmp = _kernels.f32_target(out)
             k.f16_to_f32(v.view(np.uint16), tmp)
             _kernels.f32_finish(tmp, out, k)

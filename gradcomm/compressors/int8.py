@@ -83,7 +83,7 @@ class Int8Compressor(Compressor):
     def compress(self, x: np.ndarray, *, seed: Sequence[int] | int | None = None,
                  out: Payload | None = None) -> Payload:
         x = as_input(x, self.name)
-        x32, n, k = as_float32(x), x.size, _kernels.get()
+        x32, n, k = as_float32(x), x.size, _kernels.for_size(x.size)
         stochastic = self.rounding == "stochastic"
         key = seed_words(seed) if stochastic else np.zeros(4, np.uint32)
         q = reuse(out, "q", np.uint8, (n * self.bits + 7) // 8)
@@ -105,7 +105,7 @@ class Int8Compressor(Compressor):
         n = r.int("n", 0, 1 << 62)
         q = r.buffer("q", "uint8", (n * bits + 7) // 8)
         out = make_out(out, n, dt)
-        k = _kernels.get()
+        k = _kernels.for_size(n)
         tmp = _kernels.f32_target(out)
         if shared:
             k.fixed_decode(q, n, bits, r.float("sc"), tmp)

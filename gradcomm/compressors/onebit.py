@@ -45,7 +45,7 @@ class OneBitCompressor(Compressor):
         nb = -(-n // bs)
         pos, neg = reuse(out, "pos", np.float32, nb), reuse(out, "neg", np.float32, nb)
         q = reuse(out, "q", np.uint8, (n + 7) // 8)
-        _kernels.get().onebit_encode(as_float32(x), bs, pos, neg, q)
+        _kernels.for_size(n).onebit_encode(as_float32(x), bs, pos, neg, q)
         return Payload(self.name, {"n": n, "dt": dtype_code(x.dtype), "bs": bs},
                        {"pos": pos, "neg": neg, "q": q})
 
@@ -59,7 +59,7 @@ class OneBitCompressor(Compressor):
         nb = -(-n // bs)
         pos, neg = r.buffer("pos", "float32", nb), r.buffer("neg", "float32", nb)
         out = make_out(out, n, dt)
-        k = _kernels.get()
+        k = _kernels.for_size(n)
         tmp = _kernels.f32_target(out)
         k.onebit_decode(q, n, bs, pos, neg, tmp)
         return _kernels.f32_finish(tmp, out, k)

@@ -63,7 +63,7 @@ class QSGDCompressor(Compressor):
         bits = code_bits(s)
         norm = reuse(out, "norm", np.float32, -(-n // bs))
         q = reuse(out, "q", np.uint8, (n * bits + 7) // 8)
-        _kernels.get().signlevel_encode(as_float32(x), bs, s, bits, True, seed_words(seed),
+        _kernels.for_size(n).signlevel_encode(as_float32(x), bs, s, bits, True, seed_words(seed),
                                         norm, q)
         return Payload(self.name, {"n": n, "dt": dtype_code(x.dtype), "s": s, "bs": bs},
                        {"norm": norm, "q": q})
@@ -78,7 +78,7 @@ class QSGDCompressor(Compressor):
         q = r.buffer("q", "uint8", (n * bits + 7) // 8)
         norm = r.buffer("norm", "float32", -(-n // bs))
         out = make_out(out, n, dt)
-        k = _kernels.get()
+        k = _kernels.for_size(n)
         tmp = _kernels.f32_target(out)
         if k.signlevel_decode(q, n, bs, s, bits, norm, tmp):
             raise PayloadError(f"qsgd payload: a code's level exceeds s={s}")

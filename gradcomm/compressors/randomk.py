@@ -50,13 +50,13 @@ class RandomKCompressor(Compressor):
 
     def indices(self, n: int, seed: Sequence[int] | int | None) -> np.ndarray:
         """The ascending positions ``compress`` keeps for ``n`` elements and ``seed``."""
-        return _kernels.get().randomk_indices(seed_words(seed), n, self.k_for(n))
+        return _kernels.for_size(n).randomk_indices(seed_words(seed), n, self.k_for(n))
 
     def compress(self, x: np.ndarray, *, seed: Sequence[int] | int | None = None,
                  out: Payload | None = None) -> Payload:
         x = as_input(x, self.name)
         n, key = x.size, seed_words(seed)
-        k = _kernels.get()
+        k = _kernels.for_size(n)
         idx = k.randomk_indices(key, n, self.k_for(n))
         v = reuse(out, "v", x.dtype, idx.size)
         np.take(x, idx, out=v)
@@ -92,7 +92,7 @@ class RandomKCompressor(Compressor):
                                f"{sorted({(p[0], p[1].name) for p in parts})}")
         out = make_out(out, n, dt)
         out.fill(0)
-        k = _kernels.get()
+        k = _kernels.for_size(n)
         groups: dict[tuple[tuple[int, ...], int], np.ndarray] = {}
         for _, _, key, vals in parts:       # payloads with one key and k share positions
             if vals.size:

@@ -45,7 +45,7 @@ class TernGradCompressor(Compressor):
         n, bs = x.size, self.bucket_size
         scale = reuse(out, "scale", np.float32, -(-n // bs))
         q = reuse(out, "q", np.uint8, (n * 2 + 7) // 8)
-        _kernels.get().signlevel_encode(as_float32(x), bs, 1, 2, False, seed_words(seed),
+        _kernels.for_size(n).signlevel_encode(as_float32(x), bs, 1, 2, False, seed_words(seed),
                                         scale, q)
         return Payload(self.name, {"n": n, "dt": dtype_code(x.dtype), "bs": bs},
                        {"scale": scale, "q": q})
@@ -59,7 +59,7 @@ class TernGradCompressor(Compressor):
         q = r.buffer("q", "uint8", (n * 2 + 7) // 8)
         scale = r.buffer("scale", "float32", -(-n // bs))
         out = make_out(out, n, dt)
-        k = _kernels.get()
+        k = _kernels.for_size(n)
         tmp = _kernels.f32_target(out)
         k.signlevel_decode(q, n, bs, 1, 2, scale, tmp)     # every 2-bit code is valid
         return _kernels.f32_finish(tmp, out, k)

@@ -72,7 +72,7 @@ class TopKCompressor(Compressor):
                  out: Payload | None = None) -> Payload:
         x = as_input(x, self.name)
         n = x.size
-        idx, vals = _kernels.get().topk_select(x, self.k_for(n))
+        idx, vals = _kernels.for_size(n).topk_select(x, self.k_for(n))
         i = reuse(out, "i", index_dtype(n), idx.size)
         i[...] = idx
         return Payload(self.name, {"n": n, "dt": dtype_code(x.dtype), "k": int(idx.size)},
@@ -102,7 +102,7 @@ class TopKCompressor(Compressor):
                                f"{sorted({(p[0], p[1].name) for p in parts})}")
         out = make_out(out, n, dt)
         out.fill(0)
-        k = _kernels.get()
+        k = _kernels.for_size(n)
         for j, (_, _, idx, vals) in enumerate(parts):
             if k.scatter(out, idx, vals, j > 0):
                 raise PayloadError(f"{self.name} payload: indices out of 0..{n - 1} or not "

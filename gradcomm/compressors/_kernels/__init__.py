@@ -3,8 +3,12 @@
 Both implement the same functions with the same floating-point operations in the same
 order, so they produce identical bytes (tested). :func:`get` returns the numba module when
 numba is installed (the ``fast`` extra) and the numpy module otherwise; the environment
-variable ``GRADCOMM_KERNELS=numpy|numba|auto`` overrides the choice. numba is imported on
-the first codec call, not when gradcomm is imported; compiled kernels are cached on disk.
+variable ``GRADCOMM_KERNELS=numpy|numba|auto`` overrides the choice. Codecs call
+:func:`for_size`, which under ``auto`` keeps arrays below :data:`FAST_MIN` elements on the
+numpy path: they gain nothing from compiled code, and a process that only ever compresses
+small arrays (tests, small models) never pays numba's one-time compilation (tens of
+seconds on a cold cache). numba is imported on first use, not when gradcomm is imported;
+compiled kernels are cached on disk (``cache=True``).
 
 Example:
     >>> k = get("numpy")
@@ -23,6 +27,8 @@ from types import ModuleType
 from ...errors import ConfigError
 
 _cache: dict[str, ModuleType | None] = {}
+#: smallest array the automatic choice sends to the numba path
+FAST_MIN = 1 << 16
 
 
 def _load(name: str) -> ModuleType | None:
@@ -50,6 +56,14 @@ def get(name: str | None = None) -> ModuleType:
     if mod is None:
         raise ConfigError(f"kernel path {name!r} is not available (install gradcomm[fast])")
     return mod
+
+
+def for_size(n: int) -> ModuleType:
+    """The kernel module for an array of ``n`` elements (see :data:`FAST_MIN`)."""
+    name = os.environ.get("GRADCOMM_KERNELS", "auto") or "auto"
+    if name == "auto" and n < FAST_MIN:
+        return _load("numpy")
+    return get(name)
 
 
 def f32_target(out):

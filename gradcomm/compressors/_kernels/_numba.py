@@ -67,7 +67,7 @@ def philox_words(key: np.ndarray, start: int, count: int) -> np.ndarray:
     return buf[start - 4 * b0:start - 4 * b0 + count].copy()
 
 
-@njit(inline="always", **_JIT)
+@njit(**_JIT)
 def _fill_bucket_words(key, start, m, w):
     """w[0 : 4*ceil(m/8)] = stream words of elements start .. start+m-1 (start % 8 == 0);
     element i's dither is then ``_u(w.view(uint16)[i])``."""
@@ -89,7 +89,7 @@ def _u(h):
 
 # --- bit packing ----------------------------------------------------------------------
 
-@njit(inline="always", **_JIT)
+@njit(**_JIT)
 def _pack_into(c, m, bits, out):
     """codes c[0:m] -> out[0:ceil(m*bits/8)] (out starts at a group boundary)."""
     if bits == 8:
@@ -125,7 +125,7 @@ def _pack_into(c, m, bits, out):
             out[full * bits + q] = np.uint8((w >> np.uint64(8 * q)) & np.uint64(0xFF))
 
 
-@njit(inline="always", **_JIT)
+@njit(**_JIT)
 def _unpack_into(p, m, bits, c):
     """inverse of _pack_into: p[0:ceil(m*bits/8)] -> c[0:m]."""
     if bits == 8:
@@ -341,7 +341,8 @@ def _minmax_encode(x, bs, bits, stochastic, key, lo_out, unit_out, packed):
         lo_out[b] = _F32_NAN if bad else lo
         unit_out[b] = _F32_NAN if bad else np.float32(rng / L)
         if not ok:
-            c[:m] = 0
+            for i in range(m):
+                c[i] = 0
         else:
             inv = np.float32(min(L / rng, _FLT_MAX))
             if stochastic:
@@ -477,7 +478,8 @@ def _signlevel_encode(x, bs, s_, bits, l2, key, scale_out, packed):
         ok = (not bad) and scale > 0
         scale_out[b] = _F32_NAN if bad else scale
         if not ok:
-            c[:m] = 0
+            for i in range(m):
+                c[i] = 0
         else:
             mul = np.float32(min(s_ / np.float64(scale), _FLT_MAX))
             _fill_bucket_words(key, s, m, w)
@@ -554,7 +556,8 @@ def _onebit_encode(x, bs, pos_out, neg_out, packed):
         if not (np.isfinite(psum) and np.isfinite(nsum)):
             pos_out[b] = _F32_NAN
             neg_out[b] = _F32_NAN
-            c[:m] = 0
+            for i in range(m):
+                c[i] = 0
         else:
             pos_out[b] = np.float32(psum / cnt) if cnt > 0 else np.float32(0.0)
             neg_out[b] = np.float32(nsum / (m - cnt)) if m - cnt > 0 else np.float32(0.0)
@@ -610,16 +613,8 @@ def _topk_candidates(keys, mask, t, cand):
 
 
 @njit(**_JIT)
-def _topk_finish(keys, mask, cand, k, idx_out):
-    """Exact top-k among the candidates (all keys >= the true k-th largest are in cand)."""
-    ck = np.empty(cand.size, keys.dtype)
-    for j in range(cand.size):
-        ck[j] = keys[cand[j]] & mask
-    t = np.partition(ck, cand.size - k)[cand.size - k]
-    ngt = 0
-    for j in range(cand.size):
-        ngt += ck[j] > t
-    need = k - ngt
+def _topk_take(ck, cand, t, need, idx_out):
+    """Candidates with key > t, plus the first ``need`` with key == t, in index order."""
     o = 0
     for j in range(cand.size):
         kj = ck[j]
@@ -629,6 +624,12 @@ def _topk_finish(keys, mask, cand, k, idx_out):
             idx_out[o] = cand[j]
             o += 1
     return o
+
+
+@njit(**_JIT)
+def _masked_gather(keys, mask, idx, out):
+    for j in range(idx.size):
+        out[j] = keys[idx[j]] & mask
 
 
 @njit(**_JIT)
@@ -658,8 +659,12 @@ def topk_select(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     c = _topk_candidates(keys, mask, t, cand)
     if c < k or c > cap:                       # unlucky sample or adversarial data
         return _numpy.topk_select(x, k)
+    cand = cand[:c]
+    ck = np.empty(c, keys.dtype)
+    _masked_gather(keys, mask, cand, ck)
+    t = np.partition(ck, c - k)[c - k]              # the k-th largest key
     idx = np.empty(k, np.int64)
-    _topk_finish(keys, mask, cand[:c], k, idx)
+    _topk_take(ck, cand, t, k - int(np.count_nonzero(ck > t)), idx)
     vals = np.empty(k, x.dtype)
     _gather(keys, idx, vals.view(keys.dtype))            # bit copies (numba has no float16)
     return idx, vals

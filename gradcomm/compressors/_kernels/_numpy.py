@@ -45,30 +45,34 @@ _CHUNK = 1 << 20
 
 # --- random stream --------------------------------------------------------------------
 
+def philox_blocks(c0: np.ndarray, c1: np.ndarray, c2: np.ndarray, c3: np.ndarray,
+                  k0: int, k1: int) -> np.ndarray:
+    """Philox4x32-10 of counters (c0, c1, c2, c3) (uint64 arrays of 32-bit values) under key
+    (k0, k1): the four output words of each counter, flattened (uint32)."""
+    k0, k1 = np.uint64(k0), np.uint64(k1)
+    for _ in range(10):
+        p0, p1 = _PM0 * c0, _PM1 * c2
+        c0, c1, c2, c3 = ((p1 >> np.uint64(32)) ^ c1 ^ k0, p1 & _M32,
+                          (p0 >> np.uint64(32)) ^ c3 ^ k1, p0 & _M32)
+        k0, k1 = (k0 + _PW0) & _M32, (k1 + _PW1) & _M32
+    return np.stack([c0, c1, c2, c3], axis=1).astype(np.uint32).reshape(-1)
+
+
 def philox_words(key: np.ndarray, start: int, count: int) -> np.ndarray:
     """Words ``start .. start+count-1`` of the Philox4x32-10 stream keyed by ``key``."""
     out = np.empty(count, np.uint32)
-    b_first = start // 4
     done = 0
     while done < count:
         b0 = (start + done) // 4
         b1 = min((start + count + 3) // 4, b0 + _CHUNK)
         blocks = np.arange(b0, b1, dtype=np.uint64)
-        c0, c1 = blocks & _M32, blocks >> np.uint64(32)
-        c2 = np.full(blocks.size, key[2], np.uint64)
-        c3 = np.full(blocks.size, key[3], np.uint64)
-        k0, k1 = np.uint64(key[0]), np.uint64(key[1])
-        for _ in range(10):
-            p0, p1 = _PM0 * c0, _PM1 * c2
-            c0, c1, c2, c3 = ((p1 >> np.uint64(32)) ^ c1 ^ k0, p1 & _M32,
-                              (p0 >> np.uint64(32)) ^ c3 ^ k1, p0 & _M32)
-            k0, k1 = (k0 + _PW0) & _M32, (k1 + _PW1) & _M32
-        words = np.stack([c0, c1, c2, c3], axis=1).astype(np.uint32).reshape(-1)
+        words = philox_blocks(blocks & _M32, blocks >> np.uint64(32),
+                              np.full(blocks.size, key[2], np.uint64),
+                              np.full(blocks.size, key[3], np.uint64), key[0], key[1])
         lo = start + done - 4 * b0
         take = min(count - done, words.size - lo)
         out[done:done + take] = words[lo:lo + take]
         done += take
-    del b_first
     return out
 
 

@@ -10,6 +10,7 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from . import _array
@@ -87,7 +88,9 @@ class Allreduce:
         algorithm: as for :func:`allreduce`; with a compressor also "allgather".
         compressor: None, a codec name (options in ``**options``) or a Compressor.
         error_feedback: keep a residual per key (and per re-compressing hop) and add it
-            back at the next call with that key. Ignored without a (lossy) compressor.
+            back at the next call with that key. Ignored without a lossy compressor, and
+            (with an ErrorFeedbackWarning) for codecs that are not contractions (TernGrad,
+            QSGD with few levels: residuals would diverge).
         seed: seeds the stochastic codecs with ``(seed, step, crc32(key), rank)``.
         check: verify the arguments agree across ranks at every call.
 
@@ -109,7 +112,7 @@ class Allreduce:
                  compressor: Any = None, error_feedback: bool = True, seed: int = 0,
                  check: bool = True, **options: Any) -> None:
         from . import compressors
-        from .error_feedback import ErrorFeedback
+        from .error_feedback import ErrorFeedback, ErrorFeedbackWarning, contractive
 
         if compressor is None and options:
             raise ConfigError(f"unknown options {sorted(options)} (compressor options need "
@@ -121,7 +124,14 @@ class Allreduce:
         self.compressor = None if compressor is None else compressors.get(compressor,
                                                                           **options)
         lossy = self.compressor is not None and self.compressor.lossy
-        self.error_feedback = ErrorFeedback(enabled=bool(error_feedback) and lossy)
+        stable = lossy and contractive(self.compressor)
+        if error_feedback and lossy and not stable:
+            warnings.warn(f"error_feedback=True is not applied with {self.compressor!r}: "
+                          "its error can exceed its input, so residuals would grow without "
+                          "bound (see gradcomm.error_feedback.contractive); pass "
+                          "error_feedback=False to silence this", ErrorFeedbackWarning,
+                          stacklevel=2)
+        self.error_feedback = ErrorFeedback(enabled=bool(error_feedback) and stable)
         self._transport: Any = None
 
     @property

@@ -11,7 +11,8 @@ import pytest
 import gradcomm
 from gradcomm import compressors
 from gradcomm.comm import run_ranks
-from gradcomm.error_feedback import ErrorFeedback, ResidualResetWarning, torch_safe_globals
+from gradcomm.error_feedback import (ErrorFeedback, ErrorFeedbackWarning, ResidualResetWarning,
+                                     contractive, torch_safe_globals)
 from gradcomm.errors import ConfigError
 from tests._grid import Grid
 
@@ -151,6 +152,7 @@ CASES = [("none", "none", "ring"), ("grid", Grid(0.5), "ring"),
     (name, name, alg) for name in LOSSY for alg in ("auto", "ring", "recursive_doubling")]
 
 
+@pytest.mark.filterwarnings("ignore::gradcomm.error_feedback.ErrorFeedbackWarning")
 @pytest.mark.parametrize("label,codec,algorithm", CASES)
 def test_resume_is_bitwise_equal_to_unbroken_run(label: str, codec: Any, algorithm: str,
                                                  tmp_path) -> None:
@@ -235,3 +237,26 @@ def test_error_feedback_makes_the_running_mean_converge() -> None:
     err = {ef: np.linalg.norm(run_ranks(p, lambda t: fn(t, ef))[0] - exact) /
            np.linalg.norm(exact) for ef in (True, False)}
     assert err[True] < 0.25 * err[False], err
+
+
+def test_error_feedback_refused_for_non_contractions() -> None:
+    """TernGrad (error up to max|v| per element) and QSGD with few levels would make the
+    residuals diverge: Allreduce says so and runs without them."""
+    assert not contractive(compressors.get("qsgd", levels=4))
+    assert contractive(compressors.get("qsgd", levels=127))
+    for name, opts in (("terngrad", {}), ("qsgd", {"levels": 2})):
+        with pytest.warns(ErrorFeedbackWarning, match="not applied"):
+            ar = gradcomm.Allreduce(None, compressor=name, **opts)
+        assert not ar.error_feedback.enabled
+    gradcomm.Allreduce(None, compressor="terngrad", error_feedback=False)   # silent
+
+
+def test_residual_shape_change_through_allreduce() -> None:
+    """A key whose tensor changed shape gets a fresh residual, with a warning."""
+    def fn(t):
+        ar = gradcomm.Allreduce(t, compressor=Grid(0.5), algorithm="allgather")
+        ar(np.full(4, 0.2, np.float32), key="w")
+        return ar(np.full(6, 0.2, np.float32), key="w").tolist()
+
+    with pytest.warns(ResidualResetWarning, match="'w' held 4 x float32"):
+        assert run_ranks(2, fn)[0] == [0.0] * 6

@@ -67,7 +67,7 @@ from .. import compressors
 from .._dtypes import FLOATS, bf16_to_f32, f32_to_bf16
 from ..comm.base import Transport
 from ..compressors.base import Compressor, Payload
-from ..error_feedback import HOP_SEP, ErrorFeedback
+from ..error_feedback import HOP_SEP, ErrorFeedback, contractive
 from ..errors import ConfigError, GradcommError, MismatchError, PayloadError, UnsupportedError
 from ._check import agree
 from ._reduce import Reducer
@@ -352,9 +352,20 @@ def _choose(t: Transport, codec: Compressor, n: int, dtype: str, itemsize: int) 
     return select(t, c)
 
 
+def segment_codec(codec: Compressor, n: int) -> Compressor:
+    """The codec a per-hop wire uses on segments of an ``n``-element buffer: a codec told
+    to keep ``k`` elements keeps the same fraction ``k/n`` of every segment instead."""
+    k = codec.get_config().get("k")
+    if k is None or not n:
+        return codec
+    return compressors.get(codec.name, ratio=min(1.0, k / n))
+
+
 def _per_hop(t: Transport, x: np.ndarray, codec: Compressor, name: str, seeds: _Seeds,
              ef: ErrorFeedback | None, key: str) -> None:
     from . import algorithm
+
+    codec = segment_codec(codec, x.size)
 
     parts = 1 << (t.size.bit_length() - 1) if name == "rabenseifner" else 1
     wire = CompressedWire(codec, x, seeds, max_parts=parts, ef=ef, key=key)
@@ -490,7 +501,8 @@ def _run(t: Transport, buf: np.ndarray, dtype: str, op: str, algorithm: str,
     pre_divide = op == "mean" and codec.lossy and p > 1
     if pre_divide:
         np.divide(x, x.dtype.type(p), out=x)
-    ef = ef if (ef is not None and ef.enabled and codec.lossy) else None
+    ef = ef if (ef is not None and ef.enabled and codec.lossy and contractive(codec)) \
+        else None
     if p == 1 or n == 0:
         if ef is not None and n:
             ef.compensate(key, x)

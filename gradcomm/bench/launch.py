@@ -21,9 +21,9 @@ import importlib.util
 import os
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any, Callable, Mapping, Sequence
 
@@ -34,6 +34,8 @@ from ..errors import ConfigError, UnsupportedError
 #: environment variables that MPI launchers set in every process they start
 MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE", "PMI_RANK", "MV2_COMM_WORLD_SIZE",
            "MPI_LOCALNRANKS")
+#: file:// rendezvous of the processes a bare ``--transport torch`` run starts
+TORCH_INIT_ENV = "GRADCOMM_BENCH_TORCH_INIT"
 #: the command a bare run re-executed itself with (recorded in the JSON environment)
 LAUNCH_ENV = "GRADCOMM_BENCH_LAUNCH"
 
@@ -98,17 +100,17 @@ def run_under_mpiexec(mpiexec: str, np_: int, child: Sequence[str],
 
 
 def run_torch_processes(np_: int, child: Sequence[str]) -> int:
-    """Start ``np_`` processes with torchrun's environment on 127.0.0.1; their exit status.
+    """Start ``np_`` processes with torchrun's environment; their exit status.
 
+    They meet through a file store in a fresh temporary directory (no port to race for).
     If one fails the others are given a moment, then terminated.
     """
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store = tempfile.mkdtemp(prefix="gradcomm-bench-")
     procs = []
     for r in range(np_):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(np_), LOCAL_RANK=str(r),
-                   LOCAL_WORLD_SIZE=str(np_), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                   LOCAL_WORLD_SIZE=str(np_), MASTER_ADDR="127.0.0.1",
+                   **{TORCH_INIT_ENV: "file://" + os.path.join(store, "store")})
         env.setdefault("OMP_NUM_THREADS", "1")
         cmd = [sys.executable, "-m", "gradcomm.bench", *child]
         env[LAUNCH_ENV] = f"{np_} processes: " + shlex.join(cmd)
@@ -133,6 +135,7 @@ def run_torch_processes(np_: int, child: Sequence[str]) -> int:
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait()
+        shutil.rmtree(store, ignore_errors=True)
     return rc or next((p.returncode for p in procs if p.returncode), 0)
 
 
@@ -222,7 +225,12 @@ def torch_world() -> tuple[Any, TorchBaseline]:
         raise ConfigError("--transport torch needs torch (pip install 'gradcomm[torch]')") \
             from None
     if not dist.is_initialized():
-        dist.init_process_group("gloo")
+        init = os.environ.get(TORCH_INIT_ENV)
+        if init:                         # started by run_torch_processes
+            dist.init_process_group("gloo", init_method=init, rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]))
+        else:                            # torchrun: env://
+            dist.init_process_group("gloo")
     from ..comm import get_transport
 
     try:

@@ -20,7 +20,7 @@ from .sweep import Row
 #: (header, width, row attribute) of the printed columns, OSU / nccl-tests order
 COLUMNS: tuple[tuple[str, int, str], ...] = (
     ("size(B)", 12, "size"), ("count", 11, "count"), ("dtype", 8, "dtype"),
-    ("algorithm", 19, "algorithm"), ("compressor", 10, "compressor"), ("check", 5, "check"),
+    ("algorithm", 19, "algorithm"), ("compressor", 16, "compressor"), ("check", 5, "check"),
     ("iters", 5, "iters"), ("avg(us)", 10, "avg_us"), ("min(us)", 10, "min_us"),
     ("max(us)", 10, "max_us"), ("p50(us)", 10, "p50_us"), ("p95(us)", 10, "p95_us"),
     ("algbw(GB/s)", 11, "algbw_gbs"), ("busbw(GB/s)", 11, "busbw_gbs"),
@@ -53,7 +53,13 @@ def format_row(row: Row) -> str:
     """One row as a fixed-width line; an unsupported variant as a '#' comment."""
     if row.note:
         return f"# {row.size:>10} {row.label}: {row.note}"
-    return " ".join(f"{_cell(a, getattr(row, a)):>{w}}" for _, w, a in COLUMNS)
+    cells = []
+    for _, w, a in COLUMNS:
+        text = _cell(a, getattr(row, a))
+        if a == "compressor" and row.compressor is not None:
+            text = row.label.split("+")[1]          # with its options, e.g. topk,ratio=0.01
+        cells.append(f"{text:>{w}}")
+    return " ".join(cells)
 
 
 class Printer:

@@ -145,10 +145,11 @@ def make_plan(args: argparse.Namespace, baseline: str | None) -> Plan:
     """The variants and sizes to measure; ConfigError for unknown names."""
     from .. import compressors
     from .._dtypes import STORAGE
-    from ..collectives import DENSE
+    from ..collectives import DENSE, Reducer
 
     if args.dtype not in STORAGE:
         raise ConfigError(f"unknown dtype {args.dtype!r}; known: {', '.join(STORAGE)}")
+    Reducer(args.op, args.dtype)             # e.g. mean of integers: ConfigError now
     if min(args.iters, args.min_iters) < 1 or args.warmup < 0:
         raise ConfigError("--iters and --min-iters must be >= 1 and --warmup >= 0")
     sizes = parse_sizes(args.sizes) if args.sizes else \

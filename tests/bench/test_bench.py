@@ -194,6 +194,7 @@ def test_sizes_algorithms_and_compressor_parsing():
     (["--dtype", "complex64"], "unknown dtype"),
     (["--min-bytes", "1M", "--max-bytes", "1K"], "exceeds"),
     (["--iters", "0"], "--iters"),
+    (["--dtype", "int32", "--op", "mean"], "needs a floating dtype"),
 ])
 def test_bad_arguments_are_clear_errors(argv, message, capsys):
     assert main(["--transport", "threads", *argv]) == 2

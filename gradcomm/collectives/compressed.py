@@ -56,6 +56,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 import struct
 import weakref
 import zlib
@@ -171,6 +172,8 @@ class CompressedWire:
         self._scratch: list[np.ndarray | None] = [None, None, None]
         self._partial_hops = 0
         self._final_hops = 0
+        self._reuse = "out" in inspect.signature(codec.compress).parameters
+        self._last: Payload | None = None
 
     # -- sizes ----------------------------------------------------------------------------
     def bound(self, n: int, parts: int = 1) -> int:
@@ -215,13 +218,15 @@ class CompressedWire:
 
     # -- frames ---------------------------------------------------------------------------
     def _frame(self, parts: list[tuple[int, int, np.ndarray]], size: int) -> np.ndarray:
-        out = np.zeros(size, np.uint8)
+        out = np.empty(size, np.uint8)       # fresh: the algorithm may still be sending
         _HDR.pack_into(out, 0, len(parts), 0)
         pos = _HDR.size + _PART.size * len(parts)
         for i, (off, m, payload) in enumerate(parts):
             _PART.pack_into(out, _HDR.size + _PART.size * i, off, m, payload.size)
             out[pos:pos + payload.size] = payload
+            out[pos + payload.size:pos + _round8(payload.size)] = 0
             pos += _round8(payload.size)
+        out[pos:] = 0                         # no stale memory on the wire
         return out
 
     def _frame_size(self, parts: list[tuple[int, int, np.ndarray]]) -> int:
@@ -252,24 +257,34 @@ class CompressedWire:
         return parts
 
     def _decode(self, data: np.ndarray, dst: np.ndarray) -> None:
-        """``dst[...] = decode(data)`` with validation."""
+        """``dst[...] = decode(data)`` (contiguous ``dst``), validated: codec name, the
+        announced count ``n`` and, in the codecs, everything else."""
         payload = Payload.from_bytes(data, max_nbytes=data.size)
         if payload.codec != self.codec.name:
             raise PayloadError(f"payload of codec {payload.codec!r} where {self.codec.name!r} "
                                "was agreed")
+        n = payload.header.get("n", dst.size)
+        if n != dst.size:
+            raise PayloadError(f"{self.codec.name} payload announces {n!r} elements, "
+                               f"{dst.size} expected")
         try:
-            res = self.codec.decompress(payload)
+            res = self.codec.decompress(payload, out=dst)
         except PayloadError:
             raise
         except (ValueError, TypeError, IndexError, KeyError, OverflowError) as exc:
             raise PayloadError(f"{self.codec.name} payload does not decode: {exc}") from None
-        if res.shape != (dst.size,):
-            raise PayloadError(f"{self.codec.name} payload decodes to {res.shape[0] if res.ndim else 0}"
-                               f" elements, {dst.size} expected")
-        dst[...] = res
+        if res is not dst:
+            if not isinstance(res, np.ndarray) or res.shape != (dst.size,):
+                raise PayloadError(f"{self.codec.name} payload decodes to "
+                                   f"{getattr(res, 'shape', type(res))}, ({dst.size},) expected")
+            dst[...] = res
 
     def _compress(self, x: np.ndarray, seed: tuple[int, ...], n: int) -> np.ndarray:
-        data = self.codec.compress(x, seed=seed).to_bytes()
+        if self._reuse:
+            self._last = self.codec.compress(x, seed=seed, out=self._last)  # type: ignore
+            data = self._last.to_bytes()
+        else:
+            data = self.codec.compress(x, seed=seed).to_bytes()
         if data.size > self._max(n):
             raise PayloadError(f"{self.codec.name} produced {data.size} bytes for {n} "
                                f"elements, above its declared max_nbytes")

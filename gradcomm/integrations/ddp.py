@@ -58,6 +58,11 @@ only the order of summation differs.
 **Join** (``with ddp_model.join():``): a rank that ran out of data runs the hook on zero
 buckets, so collectives still match; gradients are divided by the full ``p``.
 
+**GPU.** CUDA buckets are staged through host memory: the hook records a CUDA event on
+the autograd stream, the worker waits for it before copying, and copies the result back
+before completing the future. The transport must move host buffers: with an NCCL
+process group pass a gloo group (``dist.new_group(backend="gloo")``) or ``"mpi"``.
+
 Tuning: ``start_iter`` of a few hundred steps lets the model leave the first,
 fast-changing phase uncompressed (PowerSGD does the same); on gloo every message costs
 milliseconds, so prefer few, large buckets (``bucket_cap_mb``) and an algorithm with few
@@ -138,6 +143,12 @@ class CommHookState:
         self.algorithm, self.start_iter, self.seed = algorithm, start_iter, int(seed)
         self.error_feedback = bool(error_feedback)
         self.transport: Transport = _resolve_transport(transport, process_group, timeout)
+        if "cpu" not in self.transport.devices:
+            raise ConfigError(f"the {self.transport.name} transport moves only "
+                              f"{'/'.join(sorted(self.transport.devices))} buffers (an NCCL "
+                              "group?), and the hook reduces buckets in host memory: pass "
+                              "process_group=dist.new_group(backend='gloo') or "
+                              "transport='mpi'")
         self.residuals = _Residuals(self.error_feedback, lambda: self.iter)
         self.iter = 0
         self.stats = {"buckets": 0, "bytes_sent": 0, "native_nbytes": 0, "comm_seconds": 0.0}
@@ -240,7 +251,7 @@ class CommHookState:
             if event is not None:
                 event.synchronize()        # the gradients were written on another stream
             if self._replay is not None or self._pending is not None:
-                ready = self._replay_bucket(buf, keys, lengths, fut)
+                ready = self._replay_bucket(buf, keys, lengths, fut, last)
             else:
                 self._reduce_unit(buf, keys, lengths)
                 self._current.append(keys)
@@ -267,18 +278,22 @@ class CommHookState:
         self._layout, self._current = self._current, []
         self.iter += 1
 
-    def _replay_bucket(self, buf: Any, keys: list[str], lengths: list[int], fut: Any
-                       ) -> list[tuple[Any, Any]]:
-        """Collect a bucket; reduce the saved units now complete; return finished buckets."""
+    def _replay_bucket(self, buf: Any, keys: list[str], lengths: list[int], fut: Any,
+                       last: bool) -> list[tuple[Any, Any]]:
+        """Collect a bucket; reduce the saved units now complete (at the last bucket: all
+        the rest); return the (future, buffer) of the buckets finished."""
+        import torch
+
         if self._pending is None:
             assert self._replay is not None
             self._pending, self._replay = _Replay(self._replay), None
         pending = self._pending
         pending.add(buf, keys, lengths, fut)
         finished = []
-        for unit_keys, views in pending.ready():
-            import torch
-
+        units = list(pending.ready())
+        if last:
+            units += pending.finish()
+        for unit_keys, views in units:
             flat = torch.cat([v.reshape(-1) for v in views])
             self._reduce_unit(flat, unit_keys, [v.numel() for v in views])
             offset = 0
@@ -409,11 +424,11 @@ class CommHookState:
             self._checked.clear()
             self._replay = None
             if layout and self._names is not None:
-                if {k for u in layout for k in u} == set(self._names.values()):
+                if {k for u in layout for k in u} <= set(self._names.values()):
                     self._replay = layout
                 else:
-                    warnings.warn("the checkpoint's bucket layout names other parameters "
-                                  "than the bound model; not replaying it", stacklevel=3)
+                    warnings.warn("the checkpoint's bucket layout names parameters the bound "
+                                  "model does not have; not replaying it", stacklevel=3)
         self._call(apply)
 
     def __repr__(self) -> str:
@@ -673,12 +688,19 @@ def _count_copies(every: list[Mapping[str, list[int]]]) -> list[dict[str, int]]:
 
 # -- helpers ------------------------------------------------------------------------------
 class _Replay:
-    """Regroups the buckets of one iteration into a saved layout of parameter units."""
+    """Regroups the buckets of one iteration into a saved layout of parameter units.
+
+    Units are reduced in the saved order as soon as all their parameters have arrived.
+    At the last bucket the rest goes in a fixed order, so that every rank does the same
+    even if the layout does not fit the model exactly: unfinished saved units (without
+    the parameters that never came), then parameters outside the layout, per bucket.
+    """
 
     def __init__(self, layout: list[list[str]]) -> None:
         self.units = layout
         self.next = 0
         self.views: dict[str, Any] = {}
+        self.order: list[list[str]] = []                     # keys of each bucket
         self.buckets: list[tuple[Any, Any, set[str]]] = []   # (fut, buf, keys left)
 
     def add(self, buf: Any, keys: list[str], lengths: list[int], fut: Any) -> None:
@@ -686,6 +708,7 @@ class _Replay:
         for k, n in zip(keys, lengths):
             self.views[k] = buf[offset:offset + n]
             offset += n
+        self.order.append(list(keys))
         self.buckets.append((fut, buf, set(keys)))
 
     def ready(self) -> Any:
@@ -694,6 +717,14 @@ class _Replay:
             unit = self.units[self.next]
             self.next += 1
             yield unit, [self.views[k] for k in unit]
+
+    def finish(self) -> list[tuple[list[str], list[Any]]]:
+        """Everything not yet reduced, once the last bucket has arrived."""
+        rest = [[k for k in u if k in self.views] for u in self.units[self.next:]]
+        self.next = len(self.units)
+        saved = {k for u in self.units for k in u}
+        rest += [[k for k in keys if k not in saved] for keys in self.order]
+        return [(u, [self.views[k] for k in u]) for u in rest if u]
 
     def done(self, keys: list[str]) -> list[tuple[Any, Any]]:
         """Mark ``keys`` reduced; the (future, buffer) of buckets now complete."""

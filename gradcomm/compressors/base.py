@@ -269,7 +269,7 @@ def make_out(out: np.ndarray | None, n: int, dtype: np.dtype) -> np.ndarray:
         got = f"{out.dtype.name}[{out.size}]" if isinstance(out, np.ndarray) else type(out)
         raise PayloadError(f"payload decodes to {dtype.name}[{n}], out is {got} "
                            "(or not contiguous and writable)")
-    return out.reshape(-1)
+    return out if out.ndim == 1 else out.reshape(-1)
 
 
 # --- helpers shared by the codecs (decode side: everything a peer sent is checked) -------

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .base import Compressor, Payload, check_codec, payload_nbytes
+from .base import Compressor, Payload, check_codec, make_out, payload_nbytes
 from ..errors import PayloadError
 
 
@@ -37,5 +37,6 @@ class NoneCompressor(Compressor):
             raise PayloadError("none payload: 'values' missing or of the wrong length")
         if out is None:
             return values.copy()
+        out = make_out(out, values.size, values.dtype)
         out[...] = values
         return out

@@ -73,10 +73,11 @@ class TopKCompressor(Compressor):
         x = as_input(x, self.name)
         n = x.size
         idx, vals = _kernels.for_size(n).topk_select(x, self.k_for(n))
-        i = reuse(out, "i", index_dtype(n), idx.size)
+        i, v = reuse(out, "i", index_dtype(n), idx.size), reuse(out, "v", x.dtype, idx.size)
         i[...] = idx
+        v[...] = vals
         return Payload(self.name, {"n": n, "dt": dtype_code(x.dtype), "k": int(idx.size)},
-                       {"i": i, "v": vals})
+                       {"i": i, "v": v})
 
     def to_sparse(self, payload: Payload) -> tuple[int, np.dtype, np.ndarray, np.ndarray]:
         """``(n, dtype, indices, values)`` of a validated payload (indices not yet range

@@ -40,7 +40,9 @@ def get_transport(comm: Any = None, *, timeout: float | None = None) -> Transpor
     cached = _CACHE.get(id(comm))
     if cached is not None and cached[0] is comm:
         return cached[1]
-    module = type(comm).__module__
+    # a subclass (gradcomm's wrap(), a program's own Intracomm subclass) is its library's
+    module = next((c.__module__ for c in type(comm).__mro__
+                   if c.__module__.startswith(("mpi4py", "torch"))), type(comm).__module__)
     t: Transport
     if module.startswith("mpi4py"):
         from .mpi import MPITransport

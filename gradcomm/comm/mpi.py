@@ -104,7 +104,9 @@ class MPITransport(Transport):
         super().__init__(comm.Get_rank(), comm.Get_size(), timeout)
         self.MPI = MPI
         self.user_comm = comm
-        self._comm: Any = comm.Dup()
+        # Dup through a plain Intracomm: a subclass (e.g. gradcomm's own wrap()) must not
+        # leak its overridden methods into the library's private communicator
+        self._comm: Any = MPI.Intracomm(comm).Dup()
         self._byte = MPI.BYTE
         self._orphans: list[_Req] = []       # abandoned requests, kept with their buffers
         self.devices = frozenset({"cpu", "cuda"}) if cuda_aware() else frozenset({"cpu"})

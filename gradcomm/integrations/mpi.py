@@ -1,0 +1,290 @@
+"""Drop-in gradcomm for raw mpi4py programs: one ``wrap()`` line, nothing else changes.
+
+``wrap(comm)`` returns a communicator that *is* an mpi4py communicator (a subclass of the
+wrapped one's class, sharing its MPI handle), so every method, ``isinstance`` check and
+MPI call that takes a communicator keeps working. Only ``Allreduce`` is gradcomm's:
+
+- it accepts what mpi4py's accepts: ``MPI.IN_PLACE``, numpy arrays, torch CPU tensors,
+  other buffer-protocol objects, ``[buf, MPI.FLOAT]``, ``[buf, count, MPI.DOUBLE]``,
+  ``[buf, count]``, typecodes such as ``[buf, "d"]``, and the predefined ops
+  ``SUM``, ``MAX``, ``MIN``, ``PROD``;
+- it reduces with gradcomm's algorithm (``algorithm=``), on a private duplicate of the
+  communicator, with identical bytes on every rank. 16-bit floats work (float16 numpy
+  arrays, bfloat16 torch tensors), which this MPI rejects or silently mis-sums;
+- with ``compressor=`` the sums of floating-point buffers go through the compressed
+  allreduce (stateless: no error feedback; use :class:`gradcomm.Allreduce` for that);
+  max/min/prod and integer buffers stay exact (dense);
+- anything else (user-defined ops, derived datatypes, ``MPI.BYTE``, vector buffer specs,
+  device arrays, intercommunicators) goes to the wrapped communicator's own ``Allreduce``,
+  so a program never breaks by being wrapped.
+
+Whether a call is handled depends only on the op and the datatype, which MPI requires to be
+the same on every rank, so all ranks take the same path. Communicators derived with
+``Dup()`` stay wrapped with the same options; ``Split`` and friends return plain ones.
+
+Example:
+    >>> import numpy as np
+    >>> from mpi4py import MPI
+    >>> comm = wrap(MPI.COMM_SELF, algorithm="ring")
+    >>> x = np.arange(4.0)
+    >>> comm.Allreduce(MPI.IN_PLACE, [x, MPI.DOUBLE], op=MPI.SUM); x.tolist()
+    [0.0, 1.0, 2.0, 3.0]
+    >>> comm.Get_rank(), comm.Get_size(), isinstance(comm, MPI.Intracomm), comm == MPI.COMM_SELF
+    (0, 1, True, True)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .. import _array
+from .._dtypes import FLOATS
+from ..errors import ConfigError
+
+#: logical dtypes the wrapper reduces itself (bool is left to MPI: it only allows LOR/LAND)
+_HANDLED = frozenset({"float16", "bfloat16", "float32", "float64", "int8", "int16", "int32",
+                      "int64", "uint8", "uint16", "uint32", "uint64"})
+_OPS = (("SUM", "sum"), ("MAX", "max"), ("MIN", "min"), ("PROD", "prod"))
+
+
+class GradcommComm:
+    """Mixed into a subclass of the wrapped communicator's class by :func:`wrap`.
+
+    Class attributes (set per ``wrap()`` call, inherited by ``Dup()``): ``gradcomm_options``.
+    Instance attributes: the original object (attribute pass-through) and the transport.
+    """
+
+    gradcomm_options: dict[str, Any] = {}
+    _gradcomm_base: type = object
+
+    @property
+    def gradcomm_transport(self) -> Any:
+        """The gradcomm transport (private duplicate) this communicator reduces on."""
+        t = self.__dict__.get("_gradcomm_transport")
+        if t is None:
+            from ..comm import get_transport
+
+            t = get_transport(self, timeout=self.gradcomm_options.get("timeout"))
+            self.__dict__["_gradcomm_transport"] = t
+        return t
+
+    def Allreduce(self, sendbuf: Any, recvbuf: Any, op: Any = None) -> None:
+        """mpi4py's ``Allreduce``, through gradcomm where it can (see the module doc)."""
+        from mpi4py import MPI
+
+        if op is None:
+            op = MPI.SUM
+        plan = _plan(MPI, self, sendbuf, recvbuf, op)
+        if plan is None:
+            return self._gradcomm_base.Allreduce(self, sendbuf, recvbuf, op)
+        send, recv, dtype, opname = plan
+        if send is not None and send.size:
+            np.copyto(recv, send)
+        self._gradcomm_reduce(recv, dtype, opname)
+        return None
+
+    def _gradcomm_reduce(self, buf: np.ndarray, dtype: str, op: str) -> None:
+        from ..collectives import DENSE, dense_allreduce
+
+        opts = self.gradcomm_options
+        t = self.gradcomm_transport
+        algorithm, compressor = opts["algorithm"], opts["compressor"]
+        if compressor is not None and op == "sum" and dtype in FLOATS:
+            from ..collectives.compressed import compressed_allreduce
+
+            out = compressed_allreduce(t, buf, dtype, op="sum", algorithm=algorithm,
+                                       compressor=compressor, check=opts["check"],
+                                       seed=opts["seed"], **opts["options"])
+            if out is not buf:
+                buf[...] = out
+            return
+        if algorithm not in DENSE:                 # compressed-only names, e.g. allgather
+            algorithm = "auto"
+        dense_allreduce(t, buf, op, dtype, algorithm, check=opts["check"])
+
+    def __getattr__(self, name: str) -> Any:
+        # only reached for names the communicator class does not have: the original
+        # object's own attributes (e.g. of a user subclass)
+        inner = self.__dict__.get("_gradcomm_inner")
+        if inner is None or name.startswith("_gradcomm"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(inner, name)
+
+    def __repr__(self) -> str:
+        o = self.gradcomm_options
+        return (f"<gradcomm wrap of {self._gradcomm_base.__name__}: "
+                f"algorithm={o.get('algorithm')!r}, compressor={o.get('compressor')!r}>")
+
+
+def wrap(comm: Any, algorithm: str = "auto", compressor: Any = None, *, check: bool = True,
+         seed: int = 0, timeout: float | None = None, **options: Any) -> Any:
+    """A drop-in communicator whose ``Allreduce`` runs gradcomm's ``algorithm``.
+
+    Args:
+        comm: an mpi4py communicator (``MPI.COMM_WORLD``, a ``Dup()``, a Cartcomm...).
+        algorithm: "auto", "ring", "tree", "recursive_doubling", "rabenseifner",
+            "native"; with a compressor also the compressed-only names (e.g. "allgather").
+        compressor: None, a codec name (its options in ``**options``) or a Compressor.
+        check: verify at each call that all ranks passed the same count, dtype, op
+            (MismatchError on every rank instead of a hang or garbage).
+        seed: seeds stochastic codecs (same on every rank).
+        timeout: deadline in seconds of each wait (default: gradcomm's).
+
+    Example:
+        >>> from mpi4py import MPI
+        >>> comm = wrap(MPI.COMM_SELF, compressor="fp16")
+        >>> comm.Get_size(), comm.gradcomm_options["compressor"]
+        (1, 'fp16')
+    """
+    from mpi4py import MPI
+
+    from ..collectives import ALGORITHMS
+
+    if not isinstance(comm, MPI.Comm):
+        raise ConfigError(f"wrap() needs an mpi4py communicator, got "
+                          f"{type(comm).__module__}.{type(comm).__qualname__}")
+    if compressor is None:
+        if options:
+            raise ConfigError(f"unknown options {sorted(options)} (compressor options need "
+                              "compressor=...)")
+        if algorithm not in ALGORITHMS or algorithm == "sparse_allgather":
+            raise ConfigError(f"unknown algorithm {algorithm!r}; known: "
+                              f"{', '.join(a for a in ALGORITHMS if a != 'sparse_allgather')}")
+    else:
+        from .. import compressors
+        from ..collectives.compressed import COMPRESSED_ALGORITHMS
+
+        compressors.get(compressor, **options)       # fails early on a bad name/option
+        if algorithm not in COMPRESSED_ALGORITHMS:
+            raise ConfigError(f"unknown algorithm {algorithm!r} with a compressor; known: "
+                              f"{', '.join(COMPRESSED_ALGORITHMS)}")
+    inner = comm.__dict__.get("_gradcomm_inner", comm) if isinstance(comm, GradcommComm) \
+        else comm
+    base = type(comm)._gradcomm_base if isinstance(comm, GradcommComm) else type(comm)
+    opts = {"algorithm": algorithm, "compressor": compressor, "check": bool(check),
+            "seed": seed, "timeout": timeout, "options": dict(options)}
+    cls = type(f"Wrapped{base.__name__}", (GradcommComm, base),
+               {"gradcomm_options": opts, "_gradcomm_base": base, "__module__": __name__})
+    wrapped = cls(comm)
+    wrapped.__dict__["_gradcomm_inner"] = inner
+    return wrapped
+
+
+def _op_name(MPI: Any, op: Any) -> str | None:
+    for attr, name in _OPS:
+        if op == getattr(MPI, attr):
+            return name
+    return None
+
+
+def _logical(MPI: Any, datatype: Any) -> str | None:
+    """gradcomm's dtype name for a predefined MPI datatype (or typecode); None if not one
+    the wrapper handles."""
+    if isinstance(datatype, str):
+        try:
+            datatype = MPI.Datatype.fromcode(datatype)
+        except (ValueError, KeyError, TypeError):
+            return None
+    if not isinstance(datatype, MPI.Datatype) or datatype == MPI.DATATYPE_NULL:
+        return None
+    if datatype == MPI.BYTE or datatype == MPI.PACKED or not datatype.is_predefined:
+        return None
+    bf16 = getattr(MPI, "BFLOAT16_T", MPI.DATATYPE_NULL)
+    if bf16 != MPI.DATATYPE_NULL and datatype == bf16:
+        return "bfloat16"
+    try:
+        name = np.dtype(datatype.tocode()).name
+    except (ValueError, TypeError):
+        return None
+    return name if name in _HANDLED else None
+
+
+def _storage_of(obj: Any) -> tuple[np.ndarray, str] | None:
+    """A flat host view of ``obj``'s memory and its logical dtype, or None."""
+    try:
+        k = _array.kind(obj)
+    except ConfigError:
+        k = None
+    try:
+        if k in ("numpy", "torch"):
+            meta = _array.meta_of(obj)
+            if meta.device != "cpu":
+                return None                        # device arrays: MPI's own Allreduce
+            return _array.host_view(obj), meta.dtype
+        if k is None:                              # bytearray, array.array, memoryview...
+            arr = np.asarray(memoryview(obj))
+            if not arr.flags.c_contiguous:
+                return None
+            return arr.reshape(-1), arr.dtype.name
+    except (ConfigError, TypeError, ValueError, BufferError):
+        return None
+    return None
+
+
+def _spec(MPI: Any, spec: Any) -> tuple[np.ndarray, int | None, str] | None:
+    """Parse an mpi4py buffer spec into (flat view in the storage dtype, count, dtype)."""
+    count, datatype = None, None
+    if isinstance(spec, (list, tuple)):
+        if len(spec) == 2:
+            obj, second = spec
+            if isinstance(second, int) and not isinstance(second, bool):
+                count = second
+            else:
+                datatype = second
+        elif len(spec) == 3:
+            obj, count, datatype = spec
+            if not isinstance(count, int) or isinstance(count, bool):
+                return None                        # (count, displ) vector forms
+        else:
+            return None
+    else:
+        obj = spec
+    found = _storage_of(obj)
+    if found is None:
+        return None
+    view, dtype = found
+    if datatype is not None:
+        dtype = _logical(MPI, datatype)
+        if dtype is None:
+            return None
+    if dtype not in _HANDLED:
+        return None
+    from .._dtypes import storage
+
+    st = storage(dtype)
+    raw = view.view(np.uint8) if view.size else np.empty(0, np.uint8)
+    if raw.size % st.itemsize:
+        return None
+    typed = raw.view(st)
+    if count is not None:
+        if not 0 <= count <= typed.size:
+            return None
+        typed = typed[:count]
+    return typed, count, dtype
+
+
+def _plan(MPI: Any, comm: Any, sendbuf: Any, recvbuf: Any,
+          op: Any) -> tuple[np.ndarray | None, np.ndarray, str, str] | None:
+    """(send view or None for IN_PLACE, recv view, dtype, op) or None to hand to MPI."""
+    if not isinstance(comm, MPI.Intracomm):
+        return None
+    opname = _op_name(MPI, op)
+    if opname is None:
+        return None
+    recv = _spec(MPI, recvbuf)
+    if recv is None:
+        return None
+    rview, _, dtype = recv
+    if not rview.flags.writeable:
+        return None
+    if sendbuf is MPI.IN_PLACE:
+        return None, rview, dtype, opname
+    send = _spec(MPI, sendbuf)
+    if send is None:
+        return None
+    sview, _, sdtype = send
+    if sdtype != dtype or sview.size != rview.size:
+        return None                                # mpi4py raises its own error
+    return sview, rview, dtype, opname

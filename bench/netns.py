@@ -176,21 +176,14 @@ def _exists(pid: int) -> bool:
 
 
 def cleanup(prefix: str = PREFIX) -> list[str]:
-    """Remove every namespace whose name starts with ``prefix`` (and the processes and
-    links inside it); also any stray root-namespace link named like ours. Returns what
-    was removed."""
+    """Remove every namespace whose name starts with ``prefix``, with the processes and
+    links inside it; returns the namespaces removed. (Links are only ever created inside
+    our namespaces, so deleting those removes every veth and bridge we made.)"""
     removed = []
     for ns in list_namespaces(prefix):
         _kill_pids_in(ns)
         _run(IP, "netns", "del", ns, check=False)
         removed.append(ns)
-    # links are only ever created inside our namespaces; a crash can't leave one in the
-    # root namespace, but check by name anyway (veth peers die with their namespace)
-    for line in _run(IP, "-o", "link", "show", check=False).stdout.splitlines():
-        m = re.match(r"\d+:\s+([^:@]+)", line)
-        if m and m.group(1).startswith("gcx"):
-            _run(IP, "link", "del", m.group(1), check=False)
-            removed.append(m.group(1))
     return removed
 
 
@@ -581,10 +574,14 @@ def _down_all() -> None:
 
 def _on_signal(signum: int, frame: object) -> None:
     _down_all()
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
     raise SystemExit(128 + signum)
 
 
 def _install_handlers() -> None:
+    """Remove our namespaces on SIGINT/SIGTERM/SIGHUP (then behave as the default would)
+    and at exit. Handlers someone else installed are left alone."""
     global _HANDLERS_SET
     if _HANDLERS_SET:
         return
@@ -836,4 +833,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:      # namespaces are already gone (see _on_signal)
+        print("netns: interrupted; removed what it created", file=sys.stderr)
+        sys.exit(130)

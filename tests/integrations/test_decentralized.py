@@ -225,34 +225,42 @@ def test_digits_compressed_gossip():
 SCRIPTS = Path(__file__).parent / "scripts"
 
 
-def test_gossip_under_mpirun():
-    from tests._launch import mpirun, require_mpi
-
-    require_mpi()
-    for r in mpirun(SCRIPTS / "gossip_check.py", 4, timeout=60).results(4):
-        assert r["transport"] == "mpi" and r["errors"] == [], r
-        assert r["mismatch"] == "MismatchError"
-        assert r["choco_max_diff"] < 1e-12
-
-
-def test_gossip_under_torchrun_gloo():
-    from tests._launch import require_torch, torchrun
-
-    require_torch()
-    for r in torchrun(SCRIPTS / "gossip_check.py", 3, "--launcher", "torch",
-                      timeout=60).results(3):
-        assert r["transport"] == "torch" and r["errors"] == [], r
-        assert r["mismatch"] == "MismatchError"
-        assert r["choco_max_diff"] < 1e-12
-
-
-def test_digits_training_under_mpirun_matches_in_process():
-    """comm=None under mpirun picks MPI.COMM_WORLD; same numbers as the threads run."""
-    from tests._launch import mpirun, require_mpi
-
-    require_mpi()
-    got = mpirun(SCRIPTS / "gossip_train.py", 4, "--epochs", "2", timeout=80).results(4)
-    ref = run_ranks(4, lambda t: train(t, epochs=2), timeout=60)
+def _same_training(got, ref):
     for g, r in zip(got, ref):
         assert g["accuracy"] == r["accuracy"] and g["local_accuracy"] == r["local_accuracy"]
         assert g["consensus"] == pytest.approx(r["consensus"], rel=1e-9)
+
+
+@pytest.mark.timeout(150)
+def test_gossip_and_training_under_mpirun():
+    """Checks of one round on MPI, then digits training with comm=None (MPI.COMM_WORLD)
+    giving the same numbers as the in-process run."""
+    from tests._launch import mpirun, require_mpi
+
+    require_mpi()
+    got = mpirun(SCRIPTS / "gossip_check.py", 4, "--train-epochs", "1", "--train-steps",
+                 "5", timeout=100).results(4)
+    for r in got:
+        assert r["transport"] == "mpi" and r["errors"] == [], r
+        assert r["mismatch"] == "MismatchError"
+        assert r["choco_max_diff"] < 1e-12
+    _same_training([r["train"] for r in got],
+                   run_ranks(4, lambda t: train(t, epochs=1, max_steps=5), timeout=60))
+
+
+@pytest.mark.timeout(150)
+def test_gossip_and_training_under_torchrun_gloo():
+    """The same with torch.distributed (gloo): comm=None picks the default group."""
+    from tests._launch import require_torch, torchrun
+
+    require_torch()
+    got = torchrun(SCRIPTS / "gossip_check.py", 3, "--launcher", "torch", "--train-epochs",
+                   "1", "--train-steps", "5", "--topology", "exponential",
+                   timeout=100).results(3)
+    for r in got:
+        assert r["transport"] == "torch" and r["errors"] == [], r
+        assert r["mismatch"] == "MismatchError"
+        assert r["choco_max_diff"] < 1e-12
+    _same_training([r["train"] for r in got],
+                   run_ranks(3, lambda t: train(t, epochs=1, max_steps=5,
+                                                topology="exponential"), timeout=60))

@@ -3,7 +3,9 @@
 Every rank checks its own result of one round against W·X (W the topology's matrix; the
 inputs are a known function of the rank), the traffic of a round against the topology,
 that ranks disagreeing on the step all get MismatchError, and that CHOCO gossip with the
-lossless codec matches dense gossip. Prints ``RESULT {json}`` per rank.
+lossless codec matches dense gossip. With ``--train-epochs N`` it then trains digits with
+DecentralizedSGD (comm=None: the launcher's group), as ``gossip_train.py`` does, in the same
+launch. Prints ``RESULT {json}`` per rank.
 
     mpirun -n 4 python tests/integrations/scripts/gossip_check.py
     torchrun --nproc-per-node 3 tests/integrations/scripts/gossip_check.py --launcher torch
@@ -26,6 +28,9 @@ def inputs(rank: int, n: int) -> np.ndarray:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--launcher", default="mpi", choices=["mpi", "torch"])
+    ap.add_argument("--train-epochs", type=int, default=0)
+    ap.add_argument("--train-steps", type=int, default=None, help="cap on steps per epoch")
+    ap.add_argument("--topology", default="ring", help="of the training run")
     args = ap.parse_args(argv)
     if args.launcher == "torch":
         import torch.distributed as dist
@@ -69,6 +74,14 @@ def main(argv: list[str] | None = None) -> int:
     for s in range(3):
         a, b = g(a), gossip_average(b, None, step=s)
     res["choco_max_diff"] = float(np.abs(a - b).max())
+    if args.train_epochs:
+        import torch
+
+        from gossip_train import train
+
+        torch.set_num_threads(1)
+        res["train"] = train(None, topology=args.topology, epochs=args.train_epochs,
+                             max_steps=args.train_steps)
     print("RESULT " + json.dumps(res), flush=True)
     if args.launcher == "torch":
         import torch.distributed as dist
@@ -78,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
         os.path.dirname(os.path.abspath(__file__))))))
     sys.exit(main())

@@ -21,11 +21,26 @@ from typing import Any
 import numpy as np
 
 
+def load_digits() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's digits (1797 8x8 images), offline. Read straight from the CSV that
+    scikit-learn ships when it is where sklearn.datasets.load_digits reads it: importing
+    scikit-learn costs seconds per rank on a busy machine."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("sklearn")
+    locs = list(spec.submodule_search_locations or []) if spec else []
+    path = os.path.join(locs[0], "datasets", "data", "digits.csv.gz") if locs else ""
+    if os.path.exists(path):
+        data = np.loadtxt(path, delimiter=",")
+        return data[:, :-1], data[:, -1].astype(np.int64)
+    from sklearn.datasets import load_digits as sk_load
+
+    return sk_load(return_X_y=True)
+
+
 def shards(rank: int, p: int, seed: int = 0):
     """This rank's training shard (iid, equal sizes) and the common test split."""
-    from sklearn.datasets import load_digits
-
-    X, y = load_digits(return_X_y=True)
+    X, y = load_digits()
     order = np.random.default_rng(seed).permutation(len(y))
     X, y = (X[order] / 16.0).astype(np.float32), y[order].astype(np.int64)
     n_test = len(y) // 5
@@ -37,9 +52,11 @@ def shards(rank: int, p: int, seed: int = 0):
 
 def train(comm: Any = None, *, mode: str = "gossip", topology: str = "ring", epochs: int = 6,
           lr: float = 0.1, batch: int = 16, compressor: str | None = None,
-          gamma: float | None = None, **options: Any) -> dict[str, float]:
+          gamma: float | None = None, max_steps: int | None = None,
+          **options: Any) -> dict[str, float]:
     """Train a 64-32-10 MLP; ``mode`` "gossip" (DecentralizedSGD) or "allreduce" (gradients
-    averaged by gradcomm.allreduce every step). Returns accuracies and consensus distance."""
+    averaged by gradcomm.allreduce every step). Returns accuracies and consensus distance.
+    ``max_steps`` caps the steps per epoch (quick runs on busy machines)."""
     import torch
 
     import gradcomm
@@ -60,12 +77,13 @@ def train(comm: Any = None, *, mode: str = "gossip", topology: str = "ring", epo
     base = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     opt: Any = base
     if mode == "gossip":
-        opt = DecentralizedSGD(base, t, topology=topology, compressor=compressor, gamma=gamma,
-                               **options)
+        opt = DecentralizedSGD(base, comm, topology=topology, compressor=compressor,
+                               gamma=gamma, **options)   # comm=None: the launcher's group
     elif mode != "allreduce":
         raise ValueError(f"mode must be gossip or allreduce, got {mode!r}")
     gen = torch.Generator().manual_seed(1000 + t.rank)
     steps = len(ytr) // batch                  # equal on every rank (equal shards)
+    steps = steps if max_steps is None else min(steps, max_steps)
     params = list(model.parameters())
     for _ in range(epochs):
         perm = torch.randperm(len(ytr), generator=gen)
@@ -76,7 +94,7 @@ def train(comm: Any = None, *, mode: str = "gossip", topology: str = "ring", epo
             loss.backward()
             if mode == "allreduce":
                 flat = torch.cat([p.grad.reshape(-1) for p in params])
-                flat = gradcomm.allreduce(flat, t, op="mean")
+                flat = gradcomm.allreduce(flat, comm, op="mean")
                 off = 0
                 for p in params:
                     p.grad.copy_(flat[off:off + p.numel()].view_as(p))

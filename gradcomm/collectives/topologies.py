@@ -55,6 +55,9 @@ class Topology:
     name: str = "topology"
     #: number of distinct steps before the graph repeats (1: static)
     period: int = 1
+    #: every rank has the same number of peers at each step (all built-in graphs): the
+    #: Metropolis–Hastings row is then 1 / (d + 1) without looking at the peers' degrees
+    regular: bool = False
 
     def __init__(self, size: int) -> None:
         if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
@@ -90,7 +93,7 @@ class Topology:
         self included."""
         peers = self.recv_from(rank, step)
         d = len(peers)
-        degs = [len(self.recv_from(j, step)) for j in peers]
+        degs = [d] * d if self.regular else [len(self.recv_from(j, step)) for j in peers]
         if all(dj == d for dj in degs):          # regular: exactly 1 / (d + 1)
             w = {j: 1.0 / (d + 1) for j in peers}
             w[rank] = 1.0 / (d + 1)
@@ -115,6 +118,7 @@ class Ring(Topology):
     """Each rank talks to ``rank ± 1``."""
 
     name = "ring"
+    regular = True
 
     def recv_from(self, rank: int, step: int = 0) -> tuple[int, ...]:
         p = self.size
@@ -130,6 +134,7 @@ class Torus(Topology):
     """
 
     name = "torus"
+    regular = True
 
     def __init__(self, size: int, shape: tuple[int, int] | None = None) -> None:
         super().__init__(size)
@@ -176,6 +181,7 @@ class Exponential(Topology):
     """
 
     name = "exponential"
+    regular = True
 
     def __init__(self, size: int) -> None:
         super().__init__(size)
@@ -199,6 +205,7 @@ class Complete(Topology):
     """Every rank talks to every other rank."""
 
     name = "complete"
+    regular = True
 
     def recv_from(self, rank: int, step: int = 0) -> tuple[int, ...]:
         return tuple(j for j in range(self.size) if j != rank)

@@ -147,6 +147,19 @@ def test_exponential_averages_exactly_in_log2_p_rounds(p):
         assert g.tobytes() == x.mean(axis=0, dtype=np.float64).astype(np.float32).tobytes()
 
 
+def test_user_defined_topology_instance():
+    class Star(T.Topology):
+        name = "star"
+
+        def recv_from(self, rank, step=0):
+            return tuple(range(1, self.size)) if rank == 0 else (0,)
+
+    x = inputs(5, 7)
+    topo = Star(5)
+    got = run(5, lambda t: gossip_average(x[t.rank], t, topology=Star(5)))
+    np.testing.assert_allclose(np.stack(got), topo.matrix() @ x, atol=1e-15)
+
+
 # -- conservation and contraction --------------------------------------------------------
 
 @pytest.mark.parametrize("name,p", [("ring", 5), ("torus", 6), ("exponential", 7),

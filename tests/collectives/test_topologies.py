@@ -171,3 +171,24 @@ def test_plan_uses_only_nonzero_weights():
     w = np.array([[0.5, 0.5, 0.0], [0.0, 0.5, 0.5], [0.5, 0.0, 0.5]])
     pl = T.plan(T.get("ring", 3), 0, 0, w)
     assert pl == T.Plan(recv_from=(1,), send_to=(2,), terms=((0, 0.5), (1, 0.5)))
+
+
+class Path(T.Topology):
+    """A user-defined, non-regular graph: a line 0 - 1 - ... - (p-1)."""
+
+    name = "path"
+
+    def recv_from(self, rank, step=0):
+        return tuple(j for j in (rank - 1, rank + 1) if 0 <= j < self.size)
+
+
+@pytest.mark.parametrize("p", [2, 3, 5])
+def test_custom_non_regular_topology_gets_general_mh(p):
+    topo = Path(p)
+    w = topo.matrix()
+    np.testing.assert_allclose(w, reference_mh(topo.adjacency()), atol=1e-15)
+    np.testing.assert_allclose(w, w.T)
+    np.testing.assert_allclose(w.sum(axis=0), 1.0, atol=1e-15)
+    if p == 3:      # ends have degree 1, the middle 2: W[0, 1] = 1 / (1 + 2)
+        assert w[0, 1] == pytest.approx(1 / 3) and w[0, 0] == pytest.approx(2 / 3)
+    assert T.get(topo, p) is topo

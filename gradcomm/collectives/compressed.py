@@ -11,7 +11,12 @@ A compressed allreduce takes one of three routes, decided per codec and algorith
   this is the CGX / 1-bit-Adam scheme extended to trees and recursive doubling. Each
   re-compression adds error: with error feedback every hop keeps its own residual
   (``"<key>#e<i>"`` for partial sums, ``"<key>#f<i>"`` for finished ones), so what a hop
-  drops is sent at the same hop of the next step.
+  drops is sent at the same hop of the next step (recursive doubling: ranks that hold
+  the same partial sum hold the same residual, so they still produce the same bytes).
+  A codec told to keep ``k`` elements keeps ``k/n`` of each segment. Measured one-step
+  relative errors at p = 4 (allgather → per hop): fp16 1e-4 → 3e-4, int8 0.004 → 0.009,
+  qsgd 0.03 → 0.07, topk(0.1) 0.67 → 0.80; with error feedback the running mean's error
+  falls like 1/T (``tests/collectives/test_compressed.py`` prints the table).
 - **allgather**: every rank compresses ``e + g`` once, the payloads (variable sizes) are
   allgathered, and every rank decodes and sums them in rank order. No re-compression
   error, but (p−1)·c bytes received per rank.
@@ -36,7 +41,9 @@ gathered, p·c > 2·d          the dense table applied to c, re-compressing per 
 Details shared by the routes: ops ``sum`` and ``mean`` only; floating dtypes only;
 float16 and bfloat16 are widened to float32 for the codecs (float64 stays float64) and
 rounded back at the end; for ``mean`` with a lossy codec the inputs are divided by p
-*before* compressing (no overflow in narrow formats). With p = 1 nothing is compressed:
+*before* compressing (no overflow in narrow formats). Error feedback applies only to
+codecs that are contractions (:func:`gradcomm.error_feedback.contractive`: not TernGrad or
+few-level QSGD, whose residuals diverge). With p = 1 nothing is compressed:
 the result is ``g + e`` exactly and the residual drops to zero. Stochastic codecs draw from
 seeds ``(seed, step, crc32(key), rank)`` (``shared_seed`` codecs: without rank; per-hop
 encodings add the segment's offset and length, and finished segments use no rank at all,
@@ -110,11 +117,6 @@ def max_nbytes(codec: Compressor, n: int, dtype: str) -> int:
 def is_sparse(codec: Compressor) -> bool:
     """True if the codec's decoded output is mostly zeros (top-k style)."""
     return bool(getattr(codec, "sparse", codec.name == "topk"))
-
-
-def supported(codec: Compressor | str | None = None) -> tuple[str, ...]:
-    """Algorithm names that work with ``codec`` (every codec: all of them)."""
-    return COMPRESSED_ALGORITHMS
 
 
 class _Seeds:
@@ -431,10 +433,6 @@ def _gathered(t: Transport, x: np.ndarray, codec: Compressor, sparse: bool, seed
     x[...] = total
 
 
-def _work_dtype(dtype: str) -> np.dtype:
-    return np.dtype(np.float64 if dtype == "float64" else np.float32)
-
-
 def compressed_allreduce(t: Transport, buf: np.ndarray, dtype: str, *, op: str,
                          algorithm: str, compressor: Any, check: bool = True,
                          seed: int | None = None, residuals: ErrorFeedback | None = None,
@@ -541,4 +539,4 @@ def _run(t: Transport, buf: np.ndarray, dtype: str, op: str, algorithm: str,
 
 
 __all__ = ["COMPRESSED_ALGORITHMS", "CompressedWire", "GATHER_ALGORITHMS", "HOP_ALGORITHMS",
-           "compressed_allreduce", "is_sparse", "max_nbytes", "supported"]
+           "compressed_allreduce", "is_sparse", "max_nbytes", "segment_codec"]

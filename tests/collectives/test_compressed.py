@@ -30,6 +30,8 @@ pytestmark = pytest.mark.timeout(300)
 ALGOS = C.COMPRESSED_ALGORITHMS          # ring, tree, rd, rabenseifner, allgather, sparse, auto
 HOP = C.HOP_ALGORITHMS
 LOSSY = tuple(n for n in compressors.names() if compressors.get(n).lossy)
+#: options that let error feedback flush within the tests' T steps (n/k = 10 and 5)
+EF_OPTIONS = {"topk": {"ratio": 0.1}, "randomk": {"ratio": 0.2}}
 
 
 def _input(rank: int, n: int, seed: int = 0) -> np.ndarray:
@@ -248,14 +250,19 @@ def _residual_sum(res, p: int, n: int, algorithm: str) -> np.ndarray:
     return total
 
 
+TELESCOPE = [("grid", p) for p in (2, 3, 4)] + [
+    (name, 4) for name in LOSSY if contractive(compressors.get(name))]
+
+
 @pytest.mark.parametrize("algorithm", ["allgather", "ring", "tree", "recursive_doubling"])
-@pytest.mark.parametrize("p", [2, 3, 4])
-def test_error_feedback_telescopes(p: int, algorithm: str) -> None:
+@pytest.mark.parametrize("name,p", TELESCOPE)
+def test_error_feedback_telescopes(name: str, p: int, algorithm: str) -> None:
     """Σ outputs + Σ residuals = Σ inputs (up to float rounding), elementwise, for a codec
     that drops a lot. Recursive doubling's finished-hop residual i is held, identically, by
     the 2^i ranks that hold the same partial sum: it counts once."""
     n, T = 50, 12
-    res = _steps(p, n, algorithm, Grid(0.5), T)
+    codec = Grid(0.5) if name == "grid" else compressors.get(name, **EF_OPTIONS.get(name, {}))
+    res = _steps(p, n, algorithm, codec, T)
     for r in range(p):
         for s in range(T):
             assert res[r][0][s].tobytes() == res[0][0][s].tobytes()
@@ -263,11 +270,7 @@ def test_error_feedback_telescopes(p: int, algorithm: str) -> None:
     ins = sum(g.astype(np.float64) for r in range(p) for g in res[r][1])
     resid = _residual_sum(res, p, n, algorithm)
     np.testing.assert_allclose(outs + resid, ins, atol=1e-4)
-    assert np.abs(resid).max() > 0.01                # the codec really dropped something
-
-
-#: options that let error feedback flush within the test's T steps (n/k = 10 and 5)
-EF_OPTIONS = {"topk": {"ratio": 0.1}, "randomk": {"ratio": 0.2}}
+    assert np.abs(resid).max() > 1e-5                # the codec really dropped something
 
 
 @pytest.mark.parametrize("name", LOSSY)

@@ -31,6 +31,7 @@ import ctypes.util
 import os
 from typing import Any, Sequence
 
+from .. import _array
 from ..errors import ConfigError, DeadlineError, TransportError, UnsupportedError
 from .base import DEFAULT_TIMEOUT, Request, Transport, poll
 
@@ -109,7 +110,8 @@ class MPITransport(Transport):
         self._comm: Any = MPI.Intracomm(comm).Dup()
         self._byte = MPI.BYTE
         self._orphans: list[_Req] = []       # abandoned requests, kept with their buffers
-        self.devices = frozenset({"cpu", "cuda"}) if cuda_aware() else frozenset({"cpu"})
+        self._cuda = cuda_aware()
+        self.devices = frozenset({"cpu", "cuda"}) if self._cuda else frozenset({"cpu"})
 
     @property
     def comm(self) -> Any:
@@ -120,6 +122,8 @@ class MPITransport(Transport):
 
     # -- point-to-point ---------------------------------------------------------------
     def _isend(self, buf: Any, dest: int, tag: int) -> Request:
+        if self._cuda:
+            _array.sync(buf)             # kernels still writing a device buffer finish first
         try:
             req = self.comm.Isend([buf, self._byte], dest, tag)
         except (BufferError, ValueError, TypeError) as exc:
@@ -128,6 +132,8 @@ class MPITransport(Transport):
         return _Req(self, req, None, buf.nbytes, dest, tag)
 
     def _irecv(self, buf: Any, source: int, tag: int) -> Request:
+        if self._cuda:
+            _array.sync(buf)
         try:
             req = self.comm.Irecv([buf, self._byte], source, tag)
         except (BufferError, ValueError, TypeError) as exc:
@@ -188,6 +194,8 @@ class MPITransport(Transport):
         if op not in table:
             raise UnsupportedError(f"MPI_Allreduce has no op {op!r}; known: {', '.join(table)}")
         mpi = self.MPI
+        if self._cuda:
+            _array.sync(buf)
         try:
             self.comm.Allreduce(mpi.IN_PLACE, [buf, getattr(mpi, _DATATYPES[dtype])],
                                 getattr(mpi, table[op]))

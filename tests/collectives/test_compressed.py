@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+import gradcomm
 from gradcomm import compressors
 from gradcomm._dtypes import bf16_to_f32, f32_to_bf16
 from gradcomm.collectives import compressed as C
@@ -429,3 +430,41 @@ def test_auto_table() -> None:
     assert pick(Grid(), 4, 10 ** 6) in ("ring", "rabenseifner")    # p·c > 2·d
     if "topk" in compressors.names():
         assert pick("topk", 8, 10 ** 6) == "sparse_allgather"
+
+
+# -- the same matrix under mpirun ---------------------------------------------------------
+def mpi_matrix(n: int) -> dict[str, list[Any]]:
+    """On every MPI rank: every codec x algorithm once (output hash, relative error vs the
+    exact mean, the bound), plus three Allreduce steps with error feedback."""
+    import hashlib
+
+    from gradcomm.comm import get_transport
+
+    t = get_transport(None)
+    p = t.size
+    exact = sum(_input(r, n, p).astype(np.float64) for r in range(p)) / p
+    out: dict[str, list[Any]] = {}
+    for name in compressors.names():
+        codec = compressors.get(name)
+        for algorithm in ALGOS:
+            y = C.compressed_allreduce(t, _input(t.rank, n, p), "float32", op="mean",
+                                       algorithm=algorithm, compressor=codec)
+            bound = _bound(codec, p, n, algorithm, p) if codec.lossy else 1e-6
+            out[f"{name}/{algorithm}"] = [hashlib.sha1(y.tobytes()).hexdigest(),
+                                          float(_rel(y, exact)), float(bound)]
+        ar = gradcomm.Allreduce(None, compressor=codec, error_feedback=contractive(codec))
+        ys = [ar(_input(t.rank, n, s), key="w") for s in range(3)]
+        out[f"{name}/Allreduce"] = [hashlib.sha1(b"".join(y.tobytes() for y in ys))
+                                    .hexdigest(), 0.0, 1.0]
+    return out
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_matrix_under_mpirun(p: int) -> None:
+    from tests._launch import mpi_call, require_mpi
+
+    require_mpi()
+    res = mpi_call(mpi_matrix, p, 333, timeout=240)
+    for case, (digest, err, bound) in res[0].items():
+        assert all(r[case][0] == digest for r in res), f"{case}: ranks differ"
+        assert err <= bound, (case, err, bound)

@@ -10,9 +10,10 @@
 2. The gradients are multiplied by ``1/p`` before the reduction (exactly as DDP's built-in
    reducer does, so fp16 sums cannot overflow).
 3. Without a compressor (or before ``start_iter``) the bucket is summed in its own dtype by
-   the chosen dense algorithm — ``algorithm="native"`` is the process group's own
-   allreduce; with ``make_comm_hook(None)`` the gradients equal DDP's built-in allreduce
-   bit for bit (see "Parity" below).
+   the chosen dense algorithm; ``"auto"`` there means the library's own allreduce (what
+   DDP runs, and what overlaps best on gloo), or gradcomm's choice for dtypes the
+   library cannot reduce (16-bit floats under MPI). ``make_comm_hook(None)`` gives the
+   gradients of DDP's built-in allreduce bit for bit (see "Parity" below).
 4. With a compressor the bucket is reduced in float32 (float64 for float64 buckets): the
    error-feedback residual of every parameter is added to its slice, the compressed
    collective runs, and each parameter's residual keeps what its slice lost.
@@ -49,11 +50,12 @@ replays it in the first iteration after a load (DDP starts a new process with it
 initial layout and rebuilds only after one iteration), so a resumed run reduces the same
 groups as the unbroken one and, on CPU, ends with bitwise the same parameters.
 
-**Parity.** Gloo sums in its own order; ``make_comm_hook(None, algorithm="native")`` is
-gloo's allreduce on the same scaled bucket, hence bitwise equal to DDP's built-in path
-at any rank count. Any other algorithm at two ranks computes ``fl(a + b)`` per element,
-which does not depend on the order either, so it is bitwise equal too; at more ranks
-only the order of summation differs.
+**Parity.** Gloo sums in its own order; ``make_comm_hook(None)`` (``"auto"``) and
+``algorithm="native"`` run gloo's allreduce on the same scaled bucket, hence are bitwise
+equal to DDP's built-in path at any rank count (the scaling is DDP's too: a multiply
+by ``1/p``, which differs from a division at p = 3). Any other algorithm at two ranks
+computes ``fl(a + b)`` per element, which does not depend on the order either, so it is
+bitwise equal too; at more ranks only the order of summation differs.
 
 **Join** (``with ddp_model.join():``): a rank that ran out of data runs the hook on zero
 buckets, so collectives still match; gradients are divided by the full ``p``.
@@ -94,7 +96,7 @@ import msgpack
 import numpy as np
 
 from .. import _array
-from ..collectives import ALGORITHMS, dense_allreduce
+from ..collectives import ALGORITHMS, DENSE, dense_allreduce
 from ..comm import get_transport
 from ..comm.base import Transport
 from ..error_feedback import HOP_SEP, ErrorFeedback
@@ -160,6 +162,7 @@ class CommHookState:
         self._replay: list[list[str]] | None = None
         self._pending: _Replay | None = None
         self._checked: set[tuple[int, str, bool]] = set()
+        self._no_native: set[str] = set()       # dtypes the library cannot reduce
         self._failure: BaseException | None = None
         self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._worker = threading.Thread(target=_work, args=(self._queue,), daemon=True,
@@ -316,9 +319,16 @@ class CommHookState:
         check = sig not in self._checked    # agree on new shapes only: gloo messages cost ms
         if not compressed:
             host.mul_(1.0 / t.size)
-            algorithm = self._dense_algorithm()
-            dense_allreduce(t, _array.host_view(host), "sum", meta.dtype, algorithm,
-                            check=check)
+            view = _array.host_view(host)
+            algorithm = self._dense_algorithm(meta.dtype)
+            try:
+                dense_allreduce(t, view, "sum", meta.dtype, algorithm, check=check)
+            except UnsupportedError:          # raised by every rank alike, before any data
+                if self.algorithm != "auto" or algorithm != "native":
+                    raise
+                self._no_native.add(meta.dtype)
+                algorithm = "auto"
+                dense_allreduce(t, view, "sum", meta.dtype, algorithm, check=check)
             if algorithm == "native":
                 self.stats["native_nbytes"] += host.numel() * host.element_size()
         else:
@@ -334,8 +344,12 @@ class CommHookState:
         self.stats["bytes_sent"] += t.stats.bytes_sent - sent
         self.stats["comm_seconds"] += time.perf_counter() - began
 
-    def _dense_algorithm(self) -> str:
-        return "auto" if self.algorithm == "sparse_allgather" else self.algorithm
+    def _dense_algorithm(self, dtype: str) -> str:
+        """The uncompressed path's algorithm: with "auto", the library's own allreduce
+        (what DDP runs; it overlaps best) unless it cannot reduce ``dtype``."""
+        if self.algorithm == "auto":
+            return "auto" if dtype in self._no_native else "native"
+        return self.algorithm if self.algorithm in DENSE else "auto"
 
     def _compressed(self, x: np.ndarray, keys: list[str], lengths: list[int],
                     check: bool) -> np.ndarray:

@@ -95,7 +95,7 @@ def check_parity(steps: int = 3) -> None:
     algorithm and fp32/fp16/bf16 models (at p = 2 any summation order gives the same
     bytes; at other p only 'native', which is the process group's own allreduce)."""
     p = dist.get_world_size()
-    algos = algorithms_dense() if p == 2 else ["native"]
+    algos = algorithms_dense() if p == 2 else ["native", "auto"]
     for dt_name, dt in DTYPES.items():
         for algo in algos:
             if TRANSPORT == "mpi" and algo == "native" and dt_name != "float32":

@@ -145,14 +145,15 @@ class Allreduce:
         """Reduce ``x`` (not modified); the residual and step of ``key`` are used."""
         t = self.transport
         buf, meta = _array.to_flat(x)
-        if self.compressor is None:
+        if self.compressor is None and self.algorithm not in ("allgather", "sparse_allgather"):
             dense_allreduce(t, buf, self.op, meta.dtype, self.algorithm, check=self.check)
             self.error_feedback.advance(key)
-        else:
-            from .collectives.compressed import compressed_allreduce
+        else:                               # (a sparse gradient may go uncompressed through
+            from .collectives.compressed import compressed_allreduce    # sparse_allgather)
 
             buf = compressed_allreduce(t, buf, meta.dtype, op=self.op,
-                                       algorithm=self.algorithm, compressor=self.compressor,
+                                       algorithm=self.algorithm,
+                                       compressor=self.compressor or "none",
                                        check=self.check, seed=self.seed,
                                        residuals=self.error_feedback, key=key)
         return _array.from_flat(buf, meta)

@@ -260,3 +260,19 @@ def test_residual_shape_change_through_allreduce() -> None:
 
     with pytest.warns(ResidualResetWarning, match="'w' held 4 x float32"):
         assert run_ranks(2, fn)[0] == [0.0] * 6
+
+
+def test_uncompressed_sparse_gradient_through_sparse_allgather() -> None:
+    """Allreduce(algorithm="sparse_allgather") without a codec: the nonzeros travel."""
+    n = 1000
+
+    def fn(t):
+        x = np.zeros(n, np.float32)
+        x[[t.rank, 500 + t.rank, 999]] = 1.0
+        t.stats.reset()
+        y = gradcomm.Allreduce(t, op="sum", algorithm="sparse_allgather", check=False)(x)
+        return y, t.stats.bytes_sent
+
+    for y, sent in run_ranks(3, fn):
+        assert np.flatnonzero(y).tolist() == [0, 1, 2, 500, 501, 502, 999]
+        assert y[999] == 3.0 and sent < 200

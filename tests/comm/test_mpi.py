@@ -121,3 +121,47 @@ def test_cuda_awareness_can_be_declared(monkeypatch: pytest.MonkeyPatch) -> None
     t.close()
     monkeypatch.setenv(CUDA_AWARE_ENV, "0")
     assert cuda_aware() is False
+
+
+def _rank_and_native_sum(k: int) -> list[int]:
+    """Run by mpi_call on every rank."""
+    import numpy as np
+    from mpi4py import MPI
+
+    from gradcomm.comm import get_transport
+
+    t = get_transport(MPI.COMM_WORLD, timeout=20)
+    buf = np.full(3, t.rank * k, np.int64)
+    t.native_allreduce(buf, "sum", "int64")
+    return [t.rank, t.size, int(buf[0])]
+
+
+@pytest.mark.timeout(60)
+def test_mpi_call_runs_a_function_on_every_rank() -> None:
+    require_mpi()
+    from tests._launch import mpi_call
+
+    assert mpi_call(_rank_and_native_sum, 3, 10, timeout=50) == [[0, 3, 30], [1, 3, 30],
+                                                                 [2, 3, 30]]
+
+
+@pytest.mark.timeout(60)
+def test_a_hanging_launch_is_killed_with_all_its_ranks() -> None:
+    require_mpi()
+    import os
+    import uuid
+
+    token = f"gradcomm-hang-{uuid.uuid4().hex}"
+    with pytest.raises(AssertionError, match="timed out after 4 s"):
+        # every rank waits 60 s for a message that never comes
+        mpirun(SCRIPTS / "absent_rank.py", 3, "ring", "60", "--no-check", "--tag", token,
+               timeout=4)
+    left = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if token.encode() in f.read():
+                    left.append(pid)
+        except OSError:
+            pass
+    assert not left, f"processes left running: {left}"

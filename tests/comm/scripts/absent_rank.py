@@ -21,6 +21,7 @@ def main() -> int:
     ap.add_argument("--no-check", action="store_true", help="skip the argument check, so "
                     "the wait that expires is one of the algorithm's own")
     ap.add_argument("--launcher", default="mpi", choices=["mpi", "torch"])
+    ap.add_argument("--tag", default="", help="ignored; lets a test find its processes")
     args = ap.parse_args()
     if args.launcher == "torch":
         import torch.distributed as dist

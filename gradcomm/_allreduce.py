@@ -43,7 +43,7 @@ def allreduce(x: Any, comm: Any = None, *, op: str = "sum", algorithm: str = "au
     """
     t = get_transport(comm)
     buf, meta = _array.to_flat(x)
-    if compressor is None:
+    if compressor is None and algorithm not in ("allgather", "sparse_allgather"):
         if options:
             raise ConfigError(f"unknown options {sorted(options)} (compressor options need "
                               "compressor=...)")
@@ -52,7 +52,7 @@ def allreduce(x: Any, comm: Any = None, *, op: str = "sum", algorithm: str = "au
         from .collectives.compressed import compressed_allreduce
 
         buf = compressed_allreduce(t, buf, meta.dtype, op=op, algorithm=algorithm,
-                                   compressor=compressor, check=check, **options)
+                                   compressor=compressor or "none", check=check, **options)
     return _array.from_flat(buf, meta)
 
 

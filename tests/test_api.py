@@ -220,3 +220,12 @@ def test_byte_order_is_normalised():
         np.arange(3.0, dtype=">f8" if t.rank else "<f8"), t), timeout=30)
     for r in res:
         assert r.tolist() == [0.0, 2.0, 4.0]
+
+
+def test_sparse_allgather_without_compressor_sends_the_nonzeros():
+    def fn(t):
+        x = np.where(np.arange(10) == t.rank, 1.0, 0.0)
+        return gradcomm.allreduce(x, t, algorithm="sparse_allgather").tolist()
+
+    for r in run_ranks(3, fn, timeout=30):
+        assert r == [1.0, 1.0, 1.0] + [0.0] * 7

@@ -88,8 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="timed iterations up to 1 MiB, fewer above (default 100)")
     p.add_argument("--warmup", type=int, default=10,
                    help="untimed warm-up iterations up to 1 MiB, fewer above (default 10)")
-    p.add_argument("--min-iters", type=int, default=10,
-                   help="timed iterations at least, however large the size (default 10)")
+    p.add_argument("--min-iters", type=int, default=20,
+                   help="timed iterations at least, however large the size (default 20)")
     p.add_argument("--no-check", action="store_true",
                    help="also measure each algorithm with check=False (no cross-rank "
                         "argument check), to show what the check costs")

@@ -94,7 +94,7 @@ class Plan:
     op: str = "sum"
     iters: int = 100
     warmup: int = 10
-    min_iters: int = 10
+    min_iters: int = 20
 
 
 @dataclass
@@ -146,7 +146,7 @@ def iterations(size: int, plan: Plan) -> tuple[int, int]:
         >>> iterations(4096, Plan(sizes=[], variants=[]))
         (100, 10)
         >>> iterations(64 << 20, Plan(sizes=[], variants=[]))
-        (10, 2)
+        (20, 2)
     """
     if size <= LARGE:
         return plan.iters, plan.warmup

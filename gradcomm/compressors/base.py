@@ -35,8 +35,9 @@ MAX_HEADER = 64 * 1024
 #: largest payload accepted from a peer (bytes); callers may pass a tighter bound
 MAX_PAYLOAD = 1 << 34
 #: largest element count a payload may announce when the decoder is given no ``out``
-#: (sparse codecs such as topk could otherwise make a 100-byte payload allocate terabytes)
-MAX_COUNT = 1 << 31
+#: (sparse codecs such as topk could otherwise make a 100-byte payload allocate terabytes);
+#: callers that know the count pass ``out=`` and have no such limit
+MAX_COUNT = 1 << 28
 #: dtypes a codec accepts and restores (bfloat16 is widened to float32 upstream)
 FLOAT_DTYPES = ("float16", "float32", "float64")
 
@@ -253,8 +254,10 @@ def one_of(name: str, value: Any, choices: Sequence[Any]) -> Any:
     return value
 
 
-def make_out(out: np.ndarray | None, n: int, dtype: np.dtype) -> np.ndarray:
-    """``out`` checked against the payload's count and dtype, or a new array.
+def make_out(out: np.ndarray | None, n: int, dtype: np.dtype, zero: bool = False
+             ) -> np.ndarray:
+    """``out`` checked against the payload's count and dtype, or a new array (zeroed if
+    ``zero``; an existing ``out`` is zeroed too).
 
     A payload that disagrees with the caller's ``out`` raises PayloadError (the peer sent
     something else than expected); without ``out`` the count is bounded by MAX_COUNT.
@@ -263,13 +266,16 @@ def make_out(out: np.ndarray | None, n: int, dtype: np.dtype) -> np.ndarray:
         if n > MAX_COUNT:
             raise PayloadError(f"payload announces {n} elements, above MAX_COUNT={MAX_COUNT}; "
                                "pass out= to decode larger arrays")
-        return np.empty(n, dtype)
+        return np.zeros(n, dtype) if zero else np.empty(n, dtype)   # zeros: lazy pages
     if not isinstance(out, np.ndarray) or out.dtype != dtype or out.size != n or \
             not out.flags.c_contiguous or not out.flags.writeable:
         got = f"{out.dtype.name}[{out.size}]" if isinstance(out, np.ndarray) else type(out)
         raise PayloadError(f"payload decodes to {dtype.name}[{n}], out is {got} "
                            "(or not contiguous and writable)")
-    return out if out.ndim == 1 else out.reshape(-1)
+    out = out if out.ndim == 1 else out.reshape(-1)
+    if zero:
+        out.fill(0)
+    return out
 
 
 # --- helpers shared by the codecs (decode side: everything a peer sent is checked) -------

@@ -90,8 +90,7 @@ class RandomKCompressor(Compressor):
         if any(p[:2] != (n, dt) for p in parts):
             raise PayloadError(f"{self.name} payloads disagree on count or dtype: "
                                f"{sorted({(p[0], p[1].name) for p in parts})}")
-        out = make_out(out, n, dt)
-        out.fill(0)
+        out = make_out(out, n, dt, zero=True)
         k = _kernels.for_size(n)
         groups: dict[tuple[tuple[int, ...], int], np.ndarray] = {}
         for _, _, key, vals in parts:       # payloads with one key and k share positions

@@ -101,8 +101,7 @@ class TopKCompressor(Compressor):
         if any(p[:2] != (n, dt) for p in parts):
             raise PayloadError(f"{self.name} payloads disagree on count or dtype: "
                                f"{sorted({(p[0], p[1].name) for p in parts})}")
-        out = make_out(out, n, dt)
-        out.fill(0)
+        out = make_out(out, n, dt, zero=True)
         k = _kernels.for_size(n)
         for j, (_, _, idx, vals) in enumerate(parts):
             if k.scatter(out, idx, vals, j > 0):

@@ -152,6 +152,18 @@ def _kill(pids: Sequence[int]) -> None:
             os.killpg(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+    deadline = time.monotonic() + 10          # SIGKILL is asynchronous: wait until gone
+    while time.monotonic() < deadline and any(_alive(v) for v in victims):
+        time.sleep(0.02)
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _run(cmds: list[list[str]], envs: list[dict[str, str]], timeout: float,

@@ -71,6 +71,15 @@ def test_ddp_train_example_under_torchrun_and_mpirun():
     assert res["transport"] == "mpi" and res["bytes_sent"] > 0, res
 
 
+@pytest.mark.timeout(90)
+def test_mpi_allreduce_example_gives_the_same_bytes_through_wrap():
+    require_mpi()
+    run = mpirun(EXAMPLES / "mpi_allreduce.py", 2, "--size", "1048576", "--steps", "3",
+                 timeout=80)
+    res = run.results(1)[0]
+    assert res["bitwise_equal"] and res["gradcomm_s"] > 0 and res["mpi_s"] > 0, res
+
+
 # -- in-process: arguments, state format, residual arithmetic ----------------------------------
 def one_rank(fn):
     return run_ranks(1, fn, timeout=30)[0]

@@ -18,6 +18,9 @@ from .collectives import dense_allreduce
 from .comm import get_transport
 from .errors import ConfigError
 
+#: where staged arrays live: codecs and host-only transports work on host memory
+_HOST = frozenset({"cpu"})
+
 
 def allreduce(x: Any, comm: Any = None, *, op: str = "sum", algorithm: str = "auto",
               compressor: Any = None, check: bool = True, **options: Any) -> Any:
@@ -42,8 +45,11 @@ def allreduce(x: Any, comm: Any = None, *, op: str = "sum", algorithm: str = "au
         [1.0, 1.0]
     """
     t = get_transport(comm)
-    buf, meta = _array.to_flat(x)
-    if compressor is None and algorithm not in ("allgather", "sparse_allgather"):
+    dense = compressor is None and algorithm not in ("allgather", "sparse_allgather")
+    # device arrays stay on the device only for dense sums on a transport that moves
+    # device buffers (CUDA-aware MPI); otherwise they are staged through host memory
+    buf, meta = _array.to_flat_for(x, t.devices if dense else _HOST)
+    if dense:
         if options:
             raise ConfigError(f"unknown options {sorted(options)} (compressor options need "
                               "compressor=...)")
@@ -53,7 +59,7 @@ def allreduce(x: Any, comm: Any = None, *, op: str = "sum", algorithm: str = "au
 
         buf = compressed_allreduce(t, buf, meta.dtype, op=op, algorithm=algorithm,
                                    compressor=compressor or "none", check=check, **options)
-    return _array.from_flat(buf, meta)
+    return _array.from_device_flat(buf, meta)
 
 
 def allreduce_(x: Any, comm: Any = None, **kwargs: Any) -> Any:
@@ -144,8 +150,10 @@ class Allreduce:
     def __call__(self, x: Any, key: str = "default") -> Any:
         """Reduce ``x`` (not modified); the residual and step of ``key`` are used."""
         t = self.transport
-        buf, meta = _array.to_flat(x)
-        if self.compressor is None and self.algorithm not in ("allgather", "sparse_allgather"):
+        dense = self.compressor is None and self.algorithm not in ("allgather",
+                                                                    "sparse_allgather")
+        buf, meta = _array.to_flat_for(x, t.devices if dense else _HOST)
+        if dense:
             dense_allreduce(t, buf, self.op, meta.dtype, self.algorithm, check=self.check)
             self.error_feedback.advance(key)
         else:                               # (a sparse gradient may go uncompressed through
@@ -156,7 +164,7 @@ class Allreduce:
                                        compressor=self.compressor or "none",
                                        check=self.check, seed=self.seed,
                                        residuals=self.error_feedback, key=key)
-        return _array.from_flat(buf, meta)
+        return _array.from_device_flat(buf, meta)
 
     def _signature(self) -> str:
         c = self.compressor

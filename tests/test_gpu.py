@@ -124,6 +124,26 @@ def test_device_resident_path_for_transports_that_move_device_buffers(place):
 
 
 @pytest.mark.parametrize("place", PLACES)
+def test_public_api_on_a_transport_that_moves_device_buffers(place):
+    """gradcomm.allreduce / Allreduce keep CUDA arrays on the device for dense sums when
+    the transport says it can move them; compressed sums are staged; same results."""
+
+    def fn(t):
+        t.devices = frozenset({"cpu", "cuda"})
+        x = make(place, np.arange(6, dtype=np.float64) * (t.rank + 1), "float32")
+        outs = [gradcomm.allreduce(x, t, algorithm=a) for a in ("ring", "tree", "native")]
+        outs.append(gradcomm.Allreduce(t, op="sum")(x, key="w"))
+        outs.append(gradcomm.allreduce(x, t, compressor="fp16"))
+        for y in outs:
+            assert where(y) == where(x) and y.dtype == x.dtype
+        return [host(y) for y in outs]
+
+    for ys in run_ranks(2, fn, timeout=60):
+        for y in ys:
+            np.testing.assert_array_equal(y, np.arange(6) * 3.0)
+
+
+@pytest.mark.parametrize("place", PLACES)
 def test_to_flat_for_round_trips_bitwise_and_never_aliases(place):
     vals = np.linspace(-3, 3, 17)
     for dt in ("float16", "float32", "bfloat16") if place.startswith("torch") else \

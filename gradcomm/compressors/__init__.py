@@ -1,5 +1,36 @@
 """Compressors: stateless codecs with self-describing wire payloads, one file each.
 
+==========  ==========  ===========================================================
+codec       reduction   wire (n float32 elements)
+==========  ==========  ===========================================================
+none        summable    4n
+fp16        summable    2n (IEEE half; overflow to +-inf: divide before reducing)
+bf16        summable    2n
+int8        gathered    n*bits/8 + 8 bytes per bucket (per-bucket min/max)
+int8        summable    n*bits/8 with ``scale=`` (shared symmetric scale)
+qsgd        gathered    n*(1 + bitlen(s))/8 + 4 bytes per bucket
+terngrad    gathered    n/4 + 4 bytes per bucket
+topk        gathered    8k (int32 indices, values)
+randomk     summable    4k (positions regenerated from the shared seed)
+onebit      gathered    n/8 + 8 bytes per bucket
+==========  ==========  ===========================================================
+
+Common contract: ``compress(x, *, seed=None, out=None) -> Payload`` for a flat float16/32/64
+numpy array (``out``: an earlier payload whose buffers may be reused); ``decompress(p,
+out=None)`` restores the input's dtype and count; ``decompress_sum(payloads, out=None)``;
+``max_nbytes(n, dtype)`` bounds ``compress(x).nbytes`` exactly; ``get_config()`` rebuilds
+the codec through :func:`get`. Stochastic codecs draw from a counter-based stream keyed by
+``seed`` (None, an int or a tuple of ints): the same seed gives the same bytes anywhere.
+Decoding validates everything a peer sent and raises
+:class:`~gradcomm.errors.PayloadError` otherwise.
+
+**Non-finite inputs propagate, never raise**: if ``x`` holds NaN or +-inf, the decoded
+output holds a non-finite value too, so a loss scaler that checks the reduced gradient
+sees the overflow. fp16/bf16 map each element IEEE-style; the bucketed codecs (int8,
+qsgd, terngrad, onebit) decode the whole bucket to NaN (shared-scale int8: the element);
+topk ranks NaN and +-inf above every finite magnitude; randomk sends NaN for every value.
+The one exception is a codec configured to send nothing (``k = 0``).
+
 Example:
     >>> import gradcomm.compressors as C
     >>> "topk" in C.names()

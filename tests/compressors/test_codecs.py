@@ -336,14 +336,23 @@ def test_payload_count_is_bounded_without_out() -> None:
     """A sparse payload of a few bytes cannot make the decoder allocate terabytes."""
     c = get("topk", k=1)
     p = c.compress(data(10))
-    huge = Payload("topk", {**p.header, "n": MAX_COUNT + 1},
-                   {"i": p.buffers["i"].astype(np.int64), "v": p.buffers["v"]})
+    huge = Payload("topk", {**p.header, "n": MAX_COUNT + 1}, dict(p.buffers))
     with pytest.raises(PayloadError, match="MAX_COUNT"):
         c.decompress(huge)
     c = get("randomk", k=1)
     p = c.compress(data(10), seed=1)
     with pytest.raises(PayloadError, match="MAX_COUNT"):
         c.decompress(Payload("randomk", {**p.header, "n": 1 << 40}, dict(p.buffers)))
+
+
+def test_payload_count_bound_does_not_apply_with_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gradcomm.compressors import base
+    monkeypatch.setattr(base, "MAX_COUNT", 1000)
+    c = get("randomk", k=1)
+    p = c.compress(data(1001), seed=1)
+    with pytest.raises(PayloadError, match="MAX_COUNT"):
+        c.decompress(p)
+    assert np.count_nonzero(c.decompress(p, out=np.empty(1001, np.float32))) == 1
 
 
 @pytest.mark.parametrize("name,opts", CONFIGS, ids=IDS)

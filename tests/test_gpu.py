@@ -179,6 +179,31 @@ def test_Allreduce_object_with_compressor_and_error_feedback(place):
         np.testing.assert_allclose(y, np.linspace(0, 1, 40) * 1.5 + step, atol=2e-2)
 
 
+def wrap_device_allreduce(place: str) -> list[float]:
+    """On every MPI rank: wrap(COMM_WORLD).Allreduce of a device array (in place and out
+    of place); staged through host memory unless the MPI is CUDA-aware."""
+    from mpi4py import MPI
+
+    from gradcomm.integrations.mpi import wrap
+
+    comm = wrap(MPI.COMM_WORLD, algorithm="ring")
+    r = comm.Get_rank()
+    x = make(place, np.arange(5, dtype=np.float64) + r, "float32")
+    comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM)
+    y = make(place, np.zeros(5), "float32")
+    comm.Allreduce(x, y, op=MPI.MAX)
+    return host(x).tolist() + host(y).tolist()
+
+
+@pytest.mark.parametrize("place", PLACES[2:])      # host arrays: tests/integrations/test_mpi
+def test_wrap_accepts_device_arrays_under_mpirun(place):
+    from tests._launch import mpi_call, require_mpi
+
+    require_mpi()
+    for out in mpi_call(wrap_device_allreduce, 2, place, timeout=90):
+        assert out == (2 * np.arange(5) + 1.0).tolist() * 2
+
+
 def _one_rank_group():
     import torch.distributed as dist
 

@@ -213,8 +213,9 @@ def _train(model: DDP, opt, steps: int, start: int) -> None:
 
 
 def check_resume(k: int = 3) -> None:
-    """Checkpoint at step k (model, optimizer, hook through torch.save / torch.load with
-    weights_only=True), resume in fresh objects: bitwise equal to the unbroken run."""
+    """Checkpoint at step k (model, optimizer, hook; rank 0 saves with torch.save, every
+    rank loads with weights_only=True), resume in fresh objects: bitwise equal to the
+    unbroken run."""
     cases = [("topk", "auto"), ("topk", "ring"), ("qsgd", "recursive_doubling"),
              ("onebit", "allgather"), ("int8", "rabenseifner")]
     names = gradcomm.compressors.names()
@@ -230,12 +231,19 @@ def check_resume(k: int = 3) -> None:
         model, state = hooked(make_model(), name, algorithm=algo)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         _train(model, opt, k, 0)
-        buf = io.BytesIO()
-        torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(),
-                    "hook": state.state_dict()}, buf)
+        hook_sd = state.state_dict(rank0_only=True)         # rank 0 writes the one file
+        blob = [None]
+        if dist.get_rank() == 0:
+            buf = io.BytesIO()
+            torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(),
+                        "hook": hook_sd}, buf)
+            blob = [buf.getvalue()]
+        elif hook_sd != {}:
+            fail("state_dict(rank0_only=True) returned data on a rank other than 0")
         state.close()
         del model, opt, state
-        ck = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+        dist.broadcast_object_list(blob, src=0)            # every rank reads that file
+        ck = torch.load(io.BytesIO(blob[0]), weights_only=True)
         fresh = make_model(seed=1)                        # other weights: loading must fix it
         fresh.load_state_dict(ck["model"])
         model, state = hooked(fresh, name, algorithm=algo)

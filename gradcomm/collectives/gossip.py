@@ -234,7 +234,7 @@ def gossip_average(x: Any, comm: Any = None, *, topology: str | Topology = "ring
     if check:
         agree(t, "gossip", count=int(buf.size), dtype=meta.dtype, topology=setup.key,
               step=int(setup.step), weights=setup.whash, compressor=None,
-              gamma=repr(1.0))      # the same fields as Gossip's: the two may be mixed
+              gamma=repr(1.0), scale=repr(1.0))   # Gossip's fields: the two may be mixed
     if setup.problem is not None:
         raise setup.problem
     assert setup.plan is not None
@@ -255,6 +255,12 @@ class Gossip:
         gamma: CHOCO consensus step size in (0, 1]. Default 1.0 for a lossless codec
             (then a round equals the dense one, to rounding), 0.4 for a lossy one;
             coarser codecs (top-k at 1 %) want smaller values.
+        scale: factor on every decoded difference before it updates the estimates
+            (default 1). CHOCO needs a *contractive* codec,
+            ``E‖C(v) − v‖² ≤ (1 − δ)‖v‖²``: top-k, int8, fp16, onebit are; an unbiased
+            codec with variance factor ω > 1 (QSGD with few levels on long vectors:
+            ω = min(n/s², √n/s)) makes the estimates diverge whatever ``gamma`` is —
+            pass ``scale=1/(1+ω)`` (the CHOCO paper's rescaling) or use more bits.
         seed: base seed of the codec's random stream (drawn per step and rank).
         check: cross-rank argument check on every call (see :func:`gossip_average`).
         **options: the codec's options (e.g. ``ratio=0.1``).
@@ -277,7 +283,8 @@ class Gossip:
 
     def __init__(self, comm: Any = None, *, topology: str | Topology = "ring",
                  weights: Weights = None, compressor: Any = None, gamma: float | None = None,
-                 seed: int = 0, check: bool = True, **options: Any) -> None:
+                 scale: float = 1.0, seed: int = 0, check: bool = True,
+                 **options: Any) -> None:
         self.transport = get_transport(comm)
         self.topology = topologies.get(topology, self.transport.size)
         self.weights = weights
@@ -301,6 +308,9 @@ class Gossip:
         self.gamma = float(gamma) if gamma is not None else (0.4 if lossy else 1.0)
         if not 0.0 < self.gamma <= 1.0:
             raise ConfigError(f"gamma must be in (0, 1], got {gamma!r}")
+        self.scale = float(scale)
+        if not 0.0 < self.scale <= 1.0:
+            raise ConfigError(f"scale must be in (0, 1], got {scale!r}")
         self._scratch = _Scratch()
         self._plans: dict[Any, Any] = {}
         self._estimate: np.ndarray | None = None          # x̂ of this rank
@@ -321,7 +331,7 @@ class Gossip:
             agree(t, "gossip", count=int(buf.size), dtype=meta.dtype, topology=setup.key,
                   step=int(setup.step), weights=setup.whash,
                   compressor=None if self.compressor is None else repr(self.compressor),
-                  gamma=repr(self.gamma))
+                  gamma=repr(self.gamma), scale=repr(self.scale))
         if setup.problem is not None:
             raise setup.problem
         assert setup.plan is not None
@@ -410,7 +420,10 @@ class Gossip:
         if q.size != n:
             raise PayloadError(f"gossip payload from {who} decodes to {q.size} values, "
                                f"expected {n}")
-        estimate += q.reshape(-1)
+        q = q.reshape(-1)
+        if self.scale != 1.0:
+            q = q * q.dtype.type(self.scale)
+        estimate += q
 
     # -- state -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

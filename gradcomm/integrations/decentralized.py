@@ -57,7 +57,7 @@ class DecentralizedSGD:
         optimizer: a ``torch.optim.Optimizer`` over this rank's model.
         comm: mpi4py communicator, torch ProcessGroup, gradcomm Transport, or None.
         topology, weights: as for :func:`gradcomm.gossip_average`.
-        compressor, gamma, seed, **options: compressed (CHOCO) gossip, as for
+        compressor, gamma, scale, seed, **options: compressed (CHOCO) gossip, as for
             :class:`~gradcomm.collectives.gossip.Gossip`.
         every: gossip after every ``every``-th step (1: after each).
         check: cross-rank argument check on the first round only (``"first"``, the
@@ -68,7 +68,8 @@ class DecentralizedSGD:
 
     def __init__(self, optimizer: Any, comm: Any = None, *, topology: str | Topology = "ring",
                  weights: Any = None, compressor: Any = None, gamma: float | None = None,
-                 seed: int = 0, every: int = 1, check: bool | str = "first",
+                 scale: float = 1.0, seed: int = 0, every: int = 1,
+                 check: bool | str = "first",
                  **options: Any) -> None:
         import torch
 
@@ -90,7 +91,7 @@ class DecentralizedSGD:
                     raise ConfigError(f"parameters must be floating point, got {p.dtype}")
                 self._groups.setdefault((str(p.dtype), str(p.device)), []).append(p)
         kw = dict(topology=topology, weights=weights, compressor=compressor, gamma=gamma,
-                  seed=seed, check=check is not False, **options)
+                  scale=scale, seed=seed, check=check is not False, **options)
         self._gossip = {key: Gossip(self.transport, **kw) for key in self._groups}
         self._flat: dict[tuple[str, str], Any] = {}
 

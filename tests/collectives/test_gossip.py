@@ -541,6 +541,29 @@ def test_choco_with_a_lossy_codec_instance(ratio, gamma, rounds):
     assert all(b == 2 * (8 + nbytes) for _, b in got)      # 2 neighbours: size + payload
 
 
+def test_choco_unbiased_high_variance_codec_needs_scale():
+    """QSGD with few levels on a long vector is not contractive (ω = √n/s ≈ 9 here): the
+    estimates diverge at scale 1 and converge with the CHOCO rescaling 1/(1+ω)."""
+    if "qsgd" not in gradcomm.compressors.names():
+        pytest.skip("qsgd codec not installed")
+    p, n = 4, 4096
+    x = inputs(p, n, seed=9)
+
+    def fn(t, scale):
+        g = Gossip(t, topology="ring", compressor="qsgd", bits=4, gamma=0.3, scale=scale,
+                   check=False)
+        v = x[t.rank]
+        for _ in range(40):
+            v = g(v)
+        return v
+
+    bad = np.stack(run(p, lambda t: fn(t, 1.0)))
+    good = np.stack(run(p, lambda t: fn(t, 0.1)))
+    assert distance(bad) > distance(x)
+    assert distance(good) < 5e-2 * distance(x)
+    np.testing.assert_allclose(good.mean(axis=0), x.mean(axis=0), atol=1e-10)
+
+
 def test_choco_needs_a_static_topology():
     with pytest.raises(UnsupportedError, match="static topology"):
         run(4, lambda t: Gossip(t, topology="exponential", compressor="none"))
@@ -627,5 +650,7 @@ def test_choco_rejects_oversized_announcement_from_a_peer():
 def test_gossip_rejects_bad_gamma_and_options():
     with pytest.raises(ConfigError, match="gamma"):
         run(2, lambda t: Gossip(t, compressor="none", gamma=0))
+    with pytest.raises(ConfigError, match="scale"):
+        run(2, lambda t: Gossip(t, compressor="none", scale=1.5))
     with pytest.raises(ConfigError, match="unknown options"):
         run(2, lambda t: Gossip(t, ratio=0.1))

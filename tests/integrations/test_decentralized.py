@@ -208,16 +208,19 @@ def test_digits_decentralized_close_to_allreduce(allreduce_run, topology):
           f"consensus {got[0]['consensus']:.3g} (relative {rel:.2e})")
 
 
-def test_digits_compressed_gossip():
-    names = gradcomm.compressors.names()
-    codec = next((c for c in ("int8", "fp16", "qsgd") if c in names), "none")
-    got = _train(mode="gossip", topology="ring", compressor=codec, gamma=0.5)
+@pytest.mark.parametrize("codec,gamma,opts", [("int8", 0.5, {}), ("topk", 0.2, {"ratio": 0.1})])
+def test_digits_compressed_gossip(allreduce_run, codec, gamma, opts):
+    if codec not in gradcomm.compressors.names():
+        pytest.skip(f"codec {codec} not installed")
+    ref = allreduce_run[0]["accuracy"]
+    got = _train(mode="gossip", topology="ring", compressor=codec, gamma=gamma, **opts)
     avg_acc = got[0]["accuracy"]
-    norm = np.mean([r["param_norm_sq"] for r in got])
-    assert avg_acc > 0.9, (codec, avg_acc)
-    assert got[0]["consensus"] / norm < 5e-2
-    print(f"\n[digits, 4 ranks] CHOCO gossip ring codec={codec}: averaged acc {avg_acc:.4f}, "
-          f"consensus {got[0]['consensus']:.3g}")
+    rel = got[0]["consensus"] / np.mean([r["param_norm_sq"] for r in got])
+    assert avg_acc >= ref - 0.03, (codec, avg_acc, ref)
+    assert rel < 5e-3, rel
+    print(f"\n[digits, 4 ranks] CHOCO gossip ring {codec} {opts} gamma={gamma}: averaged acc "
+          f"{avg_acc:.4f}, local acc {[round(r['local_accuracy'], 4) for r in got]}, "
+          f"consensus {got[0]['consensus']:.3g} (relative {rel:.2e})")
 
 
 # -- real launchers ---------------------------------------------------------------------------

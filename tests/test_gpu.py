@@ -195,7 +195,7 @@ def wrap_device_allreduce(place: str) -> list[float]:
     return host(x).tolist() + host(y).tolist()
 
 
-@pytest.mark.parametrize("place", PLACES[2:])      # host arrays: tests/integrations/test_mpi
+@pytest.mark.parametrize("place", PLACES[2:])    # host arrays: tests/integrations/test_mpi_wrap.py
 def test_wrap_accepts_device_arrays_under_mpirun(place):
     from tests._launch import mpi_call, require_mpi
 

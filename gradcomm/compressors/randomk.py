@@ -18,7 +18,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 from typing import Any, Sequence
 
 import numpy as np
@@ -26,7 +25,7 @@ import numpy as np
 from . import _kernels
 from .base import (Compressor, Payload, Reader, as_input, dtype_code, make_out, payload_nbytes,
                    reuse, seed_words)
-from .topk import k_options
+from .topk import k_of, k_options
 from ..errors import PayloadError
 
 _U32 = 0xFFFFFFFF
@@ -46,7 +45,7 @@ class RandomKCompressor(Compressor):
         return {"ratio": self.ratio} if self.k is None else {"k": self.k}
 
     def k_for(self, n: int) -> int:
-        return min(n, self.k) if self.k is not None else min(n, math.ceil(self.ratio * n))
+        return k_of(self.ratio, self.k, n)
 
     def indices(self, n: int, seed: Sequence[int] | int | None) -> np.ndarray:
         """The ascending positions ``compress`` keeps for ``n`` elements and ``seed``."""

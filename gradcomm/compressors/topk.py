@@ -1,10 +1,11 @@
 """``topk``: the ``k`` largest magnitudes, sent as values and indices (Aji & Heafield 2017;
 Stich et al. 2018), meant to run with error feedback.
 
-``k`` comes from ``k=`` (an int >= 0) or ``ratio=`` (0..1, ``k = ceil(ratio * n)``), and is
-capped at ``n``; ``k = 0`` sends nothing. Selection is exact and canonical: the ``k``
-elements of largest ``|x|``, NaN and +-inf ranking above every finite value, ties going to
-the lower index; indices ascend strictly. It guarantees
+``k`` comes from ``k=`` (an int >= 0, capped at ``n``) or ``ratio=`` (0..1, default 0.01:
+``k = round(ratio * n)``, at least 1 if ``ratio > 0``); ``k = 0`` sends nothing.
+Selection is exact and canonical: the ``k`` elements of largest ``|x|``, NaN and +-inf
+ranking above every finite value, ties going to the lower index; indices ascend strictly.
+It guarantees
 ``||x - C(x)||^2 <= (1 - k/n) ||x||^2``. The fast path estimates the threshold from a
 strided sample (as DGC does) and makes one pass; the result is the same exact set.
 Wire: ``k`` int32 indices (int64 when ``n >= 2**31``) and ``k`` values in the input's
@@ -20,7 +21,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 from typing import Any, Sequence
 
 import numpy as np
@@ -46,6 +46,14 @@ def k_options(ratio: Any, k: Any, default_ratio: float = 0.01) -> tuple[float | 
     return float(ratio), None
 
 
+def k_of(ratio: float | None, k: int | None, n: int) -> int:
+    """Elements kept out of ``n``: ``min(k, n)``, or ``round(ratio * n)`` but at least 1
+    when ``ratio > 0`` (rounding, not ceil, so ``0.07 * 100`` keeps 7, not 8)."""
+    if k is not None:
+        return min(n, k)
+    return min(n, max(1, round(ratio * n))) if ratio > 0 and n > 0 else 0
+
+
 def index_dtype(n: int) -> str:
     return "int32" if n < 2 ** 31 else "int64"
 
@@ -66,7 +74,7 @@ class TopKCompressor(Compressor):
 
     def k_for(self, n: int) -> int:
         """Elements kept out of ``n``."""
-        return min(n, self.k) if self.k is not None else min(n, math.ceil(self.ratio * n))
+        return k_of(self.ratio, self.k, n)
 
     def compress(self, x: np.ndarray, *, seed: Sequence[int] | int | None = None,
                  out: Payload | None = None) -> Payload:

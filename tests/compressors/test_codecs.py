@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import pytest
@@ -150,7 +149,9 @@ def test_topk_and_randomk_exact_when_keeping_everything() -> None:
     for c in (get("topk", k=0), get("randomk", k=0), get("topk", ratio=0.0)):
         p = c.compress(x, seed=0)
         assert p.header["k"] == 0 and (c.decompress(p) == 0).all()
-    assert get("topk", ratio=0.01).compress(x).header["k"] == math.ceil(0.01 * 999)
+    assert get("topk", ratio=0.01).compress(x).header["k"] == 10
+    assert get("topk", ratio=0.07).compress(data(100)).header["k"] == 7      # not ceil(7.000...1)
+    assert get("randomk", ratio=0.29).k_for(100) == 29 and get("topk", ratio=1e-9).k_for(5) == 1
 
 
 def test_topk_keeps_the_largest() -> None:
@@ -181,8 +182,8 @@ WIRE = {  # codec config -> bytes of the buffers for n elements (of float32 inpu
     "qsgd-bits4": lambda n: -(-4 * n // 8) + 4 * -(-n // 512),
     "terngrad": lambda n: -(-n // 4) + 4 * -(-n // 512),
     "onebit": lambda n: -(-n // 8) + 8 * -(-n // 2048),
-    "topk": lambda n: 8 * math.ceil(0.01 * n),
-    "randomk": lambda n: 4 * math.ceil(0.01 * n),
+    "topk": lambda n: 8 * max(1, round(0.01 * n)),
+    "randomk": lambda n: 4 * max(1, round(0.01 * n)),
 }
 WIRE_CODECS = {"int8-bits3": ("int8", {"bits": 3}), "int8-scale": ("int8", {"bits": 6,
                "scale": 1.0}), "qsgd-bits4": ("qsgd", {"bits": 4})}

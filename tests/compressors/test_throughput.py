@@ -12,8 +12,8 @@ from gradcomm.compressors import get
 
 def test_rows_describe_each_codec() -> None:
     n = 70_000
-    rows = codec_throughput(n, ["none", "fp16", "topk:ratio=0.01", "int8:bits=4,rounding=stochastic"],
-                            repeats=2)
+    specs = ["none", "fp16", "topk:ratio=0.01", "int8:bits=4,rounding=stochastic"]
+    rows = codec_throughput(n, specs, repeats=2)
     assert [r["codec"] for r in rows] == ["none", "fp16", "topk:ratio=0.01",
                                           "int8:bits=4,rounding=stochastic"]
     x = np.random.default_rng(0).standard_normal(n).astype(np.float32)

@@ -6,7 +6,8 @@ where ``l_i`` rounds ``s |v_i| / ||v||_2`` up or down at random, unbiased, so
 size). Options: ``levels=s`` (1..127) or ``bits=b`` (2..8, s = 2**(b-1) - 1);
 ``bucket_size`` (multiple of 8). Wire: level and sign packed into ``1 + bitlen(s)`` bits
 per element, plus one float32 norm per bucket. Draws come from ``compress(x, seed=...)``
-(same seed, same bytes). A bucket holding NaN or +-inf decodes to NaN.
+(same seed, same bytes). A bucket holding NaN or +-inf decodes to NaN (so does one whose
+norm overflows float32, which takes values near 1e38).
 
 Example:
     >>> import numpy as np

@@ -30,6 +30,8 @@ Example:
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 NAME = "numpy"
@@ -41,6 +43,15 @@ KEY_NINF = np.int32(-0x7F800001)         # key(-inf); smaller keys are NaNs
 FLT_MAX = float(np.finfo(np.float32).max)
 LANES = 64
 _CHUNK = 1 << 20
+
+
+def _quiet(fn):
+    """Run ``fn`` without numpy's floating-point warnings (NaN/inf inputs are handled)."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with np.errstate(all="ignore"):
+            return fn(*args, **kwargs)
+    return wrapper
 
 
 # --- random stream --------------------------------------------------------------------
@@ -165,6 +176,7 @@ def _per_elem(v: np.ndarray, n: int, bs: int) -> np.ndarray:
 
 # --- float casts ------------------------------------------------------------------------
 
+@_quiet
 def f32_to_f16(x: np.ndarray, out: np.ndarray) -> None:
     """Round float32/64 to float16 bits (IEEE, to nearest even; overflow gives +-inf;
     NaN becomes the canonical quiet NaN ``0x7E00`` with its sign)."""
@@ -175,6 +187,7 @@ def f32_to_f16(x: np.ndarray, out: np.ndarray) -> None:
         out[nan] = np.where(np.signbit(x[nan]), 0xFE00, 0x7E00).astype(np.uint16)
 
 
+@_quiet
 def f16_to_f32(h: np.ndarray, out: np.ndarray) -> None:
     """Widen float16 bits to float32 (exact; NaN becomes the canonical quiet NaN)."""
     out[...] = h.view(np.float16)
@@ -200,6 +213,7 @@ def bf16_to_f32(h: np.ndarray, out: np.ndarray) -> None:
 
 # --- int8: per-bucket min/max --------------------------------------------------------------
 
+@_quiet
 def minmax_encode(x: np.ndarray, bs: int, bits: int, stochastic: bool, key: np.ndarray,
                   lo_out: np.ndarray, unit_out: np.ndarray, packed: np.ndarray) -> None:
     n, L = x.size, (1 << bits) - 1
@@ -226,6 +240,7 @@ def minmax_encode(x: np.ndarray, bs: int, bits: int, stochastic: bool, key: np.n
     pack(q.astype(np.uint8), bits, packed)
 
 
+@_quiet
 def minmax_decode(packed: np.ndarray, n: int, bs: int, bits: int, lo: np.ndarray,
                   unit: np.ndarray, out: np.ndarray) -> int:
     c = unpack(packed, n, bits).astype(np.float32)
@@ -235,6 +250,7 @@ def minmax_decode(packed: np.ndarray, n: int, bs: int, bits: int, lo: np.ndarray
 
 # --- int8 with a fixed, shared scale (summable) ------------------------------------------
 
+@_quiet
 def fixed_encode(x: np.ndarray, bits: int, scale: float, stochastic: bool, key: np.ndarray,
                  packed: np.ndarray) -> None:
     n, L = x.size, (1 << (bits - 1)) - 1
@@ -247,6 +263,7 @@ def fixed_encode(x: np.ndarray, bits: int, scale: float, stochastic: bool, key: 
     pack(q.astype(np.uint8), bits, packed)
 
 
+@_quiet
 def fixed_decode(packed: np.ndarray, n: int, bits: int, scale: float, out: np.ndarray) -> int:
     """Returns the number of invalid codes (above 2L + 1 cannot occur; none are invalid)."""
     L = (1 << (bits - 1)) - 1
@@ -260,6 +277,7 @@ def fixed_decode(packed: np.ndarray, n: int, bits: int, scale: float, out: np.nd
 
 # --- qsgd / terngrad: sign + level, per-bucket scale ------------------------------------------
 
+@_quiet
 def signlevel_encode(x: np.ndarray, bs: int, s: int, bits: int, l2: bool, key: np.ndarray,
                      scale_out: np.ndarray, packed: np.ndarray) -> None:
     n = x.size
@@ -287,6 +305,7 @@ def signlevel_encode(x: np.ndarray, bs: int, s: int, bits: int, l2: bool, key: n
     pack(level | (sign.astype(np.uint8) << np.uint8(bits - 1)), bits, packed)
 
 
+@_quiet
 def signlevel_decode(packed: np.ndarray, n: int, bs: int, s: int, bits: int,
                      scale: np.ndarray, out: np.ndarray) -> int:
     """Returns the number of codes whose level exceeds ``s`` (a corrupt payload)."""
@@ -300,6 +319,7 @@ def signlevel_decode(packed: np.ndarray, n: int, bs: int, s: int, bits: int,
 
 # --- onebit: sign bit, per-bucket means of the two groups ---------------------------------
 
+@_quiet
 def onebit_encode(x: np.ndarray, bs: int, pos_out: np.ndarray, neg_out: np.ndarray,
                   packed: np.ndarray) -> None:
     n = x.size
@@ -321,6 +341,7 @@ def onebit_encode(x: np.ndarray, bs: int, pos_out: np.ndarray, neg_out: np.ndarr
     pack(bit.astype(np.uint8), 1, packed)
 
 
+@_quiet
 def onebit_decode(packed: np.ndarray, n: int, bs: int, pos: np.ndarray, neg: np.ndarray,
                   out: np.ndarray) -> int:
     bit = unpack(packed, n, 1).astype(bool)

@@ -105,6 +105,16 @@ def _topology_key(topology: Any) -> str:
     return topology if isinstance(topology, str) else repr(topology)
 
 
+def _flat_input(x: Any) -> tuple[np.ndarray, _array.Meta]:
+    """``x`` as a flat storage buffer: a view when ``x`` is contiguous host memory (it is
+    only read: sent and weighted), else a copy."""
+    meta = _array.meta_of(x)
+    try:
+        return _array.host_view(x), meta
+    except ConfigError:                     # strided or on a device: stage a copy
+        return _array.to_flat(x)
+
+
 def _widen(src: np.ndarray, dtype: str, out: np.ndarray) -> np.ndarray:
     """``src`` (storage of ``dtype``) as the accumulation dtype; may return ``src``."""
     if dtype == "bfloat16":
@@ -125,15 +135,25 @@ def _narrow(acc: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def _weighted_sum(terms: tuple[tuple[int, float], ...], values: Callable[[int], np.ndarray],
-                  dtype: str, acc: np.ndarray, tmp: np.ndarray) -> np.ndarray:
-    """``acc = Σ w · values(j)`` over ``terms`` in their (ascending) order."""
+                  dtype: str, acc: np.ndarray, tmp: Callable[[], np.ndarray],
+                  scratch: frozenset[int] = frozenset()) -> np.ndarray:
+    """``acc = Σ w · values(j)`` over ``terms`` in their (ascending) order.
+
+    Buffers of the peers in ``scratch`` may be overwritten (float32/64 received values are
+    scaled in place); other terms go through ``tmp()``.
+    """
     one = acc.dtype.type
     for idx, (j, w) in enumerate(terms):
-        target = acc if idx == 0 else tmp
-        v = _widen(values(j), dtype, target)
-        np.multiply(v, one(w), out=target)
+        src = values(j)
+        if idx == 0:
+            target = acc
+        elif j in scratch and src.dtype == acc.dtype:
+            target = src
+        else:
+            target = tmp()
+        np.multiply(_widen(src, dtype, target), one(w), out=target)
         if idx:
-            np.add(acc, tmp, out=acc)
+            np.add(acc, target, out=acc)
     return acc
 
 
@@ -162,8 +182,8 @@ def mix(t: Transport, buf: np.ndarray, dtype: str, plan: Plan,
         _exchange(t, buf, plan, recv)
     acc_dt = _ACC[dtype]
     acc = np.empty(n, acc_dt)        # returned (to the user): never a reused buffer
-    tmp = s.get("tmp", n, acc_dt)
-    _weighted_sum(plan.terms, lambda j: buf if j == t.rank else recv[j], dtype, acc, tmp)
+    _weighted_sum(plan.terms, lambda j: buf if j == t.rank else recv[j], dtype, acc,
+                  lambda: s.get("tmp", n, acc_dt), frozenset(plan.recv_from))
     return _narrow(acc, dtype)
 
 
@@ -229,7 +249,7 @@ def gossip_average(x: Any, comm: Any = None, *, topology: str | Topology = "ring
         [[1.0], [3.0], [2.0]]
     """
     t = get_transport(comm)
-    buf, meta = _array.to_flat(x)
+    buf, meta = _flat_input(x)
     setup = _Setup(t, topology, step, weights, meta.dtype)
     if check:
         agree(t, "gossip", count=int(buf.size), dtype=meta.dtype, topology=setup.key,
@@ -320,7 +340,8 @@ class Gossip:
     def __call__(self, x: Any, step: int | None = None) -> Any:
         t = self.transport
         step = self.step if step is None else step
-        buf, meta = _array.to_flat(x)
+        # CHOCO updates its copy in place; dense gossip only reads x
+        buf, meta = _flat_input(x) if self.compressor is None else _array.to_flat(x)
         setup = _Setup(t, self.topology, step, self.weights, meta.dtype, self._plans)
         if setup.problem is None and self.compressor is not None:
             try:
@@ -373,7 +394,7 @@ class Gossip:
         acc = self._scratch.get("acc", n, acc_dt)
         tmp = self._scratch.get("tmp", n, acc_dt)
         _weighted_sum(plan.terms, lambda j: self._estimate if j == t.rank else est[j],
-                      "float64" if acc_dt == np.float64 else "float32", acc, tmp)
+                      "float64" if acc_dt == np.float64 else "float32", acc, lambda: tmp)
         np.subtract(acc, self._estimate, out=acc)
         acc *= acc_dt.type(self.gamma)
         x += acc

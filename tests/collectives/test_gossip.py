@@ -286,6 +286,25 @@ def test_counts_and_shapes(count):
         np.testing.assert_allclose(got[r].reshape(-1), want[r], atol=1e-15)
 
 
+def test_read_only_and_requires_grad_inputs():
+    torch = pytest.importorskip("torch")
+    x = inputs(3, 6)
+
+    def fn(t):
+        ro = x[t.rank].copy()
+        ro.flags.writeable = False
+        a = gossip_average(ro, t)
+        tt = torch.tensor(x[t.rank], requires_grad=True)
+        b = gossip_average(tt, t)
+        assert not b.requires_grad and tt.detach().numpy().tobytes() == x[t.rank].tobytes()
+        return a, b.numpy()
+
+    want = ref_matrix("ring", 3, 0) @ x
+    for r, (a, b) in enumerate(run(3, fn)):
+        np.testing.assert_allclose(a, want[r], atol=1e-15)
+        np.testing.assert_allclose(b, want[r], atol=1e-15)
+
+
 def test_non_contiguous_input():
     base = inputs(3, 20)
     got = run(3, lambda t: gossip_average(base[t.rank][::2], t))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import socket
@@ -84,8 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", help="float32 (default), float64, float16, "
                    "bfloat16, int8, int16, int32, int64, uint8")
     p.add_argument("--op", default="sum", choices=("sum", "mean", "max", "min", "prod"))
-    p.add_argument("--iters", type=int, default=100,
-                   help="timed iterations up to 1 MiB, fewer above (default 100)")
+    p.add_argument("--iters", type=int, default=None,
+                   help="timed iterations up to 1 MiB, fewer above (default 100; with "
+                        "--codecs: repeats per codec, default 5)")
     p.add_argument("--warmup", type=int, default=10,
                    help="untimed warm-up iterations up to 1 MiB, fewer above (default 10)")
     p.add_argument("--min-iters", type=int, default=20,
@@ -150,6 +152,8 @@ def make_plan(args: argparse.Namespace, baseline: str | None) -> Plan:
     if args.dtype not in STORAGE:
         raise ConfigError(f"unknown dtype {args.dtype!r}; known: {', '.join(STORAGE)}")
     Reducer(args.op, args.dtype)             # e.g. mean of integers: ConfigError now
+    if args.iters is None:
+        args.iters = 100
     if min(args.iters, args.min_iters) < 1 or args.warmup < 0:
         raise ConfigError("--iters and --min-iters must be >= 1 and --warmup >= 0")
     sizes = parse_sizes(args.sizes) if args.sizes else \
@@ -319,15 +323,43 @@ def _run_threads(args: argparse.Namespace, note: str = "") -> int:
 
 
 def _run_codecs(args: argparse.Namespace) -> int:
+    """Encode/decode throughput of the codecs (gradcomm.bench.codecs), one process."""
     try:
-        from .codecs import codec_throughput
+        from .codecs import codec_throughput, format_table
     except ImportError as exc:
         raise ConfigError(f"--codecs is not available in this installation ({exc})") from None
-    names = [n for n, _ in (parse_compressor(c) for c in args.compressors.split(","))
-             if n is not None] or None
-    sizes = parse_sizes(args.sizes) if args.sizes else None
-    result = codec_throughput(names=names, sizes=sizes, dtype=args.dtype, json_path=args.json)
-    return int(result) if isinstance(result, int) else 0
+    from .._dtypes import storage
+
+    if args.dtype not in ("float16", "float32", "float64"):
+        raise ConfigError(f"--codecs measures float16/float32/float64 arrays, not {args.dtype}")
+    specs = []
+    for text in args.compressors.split(","):
+        name, opts = parse_compressor(text)
+        if name is not None:
+            specs.append(name + (":" + ",".join(f"{k}={v}" for k, v in opts) if opts else ""))
+    item = storage(args.dtype).itemsize
+    counts = [max(1, s // item) for s in parse_sizes(args.sizes)] if args.sizes else [16 << 20]
+    repeats = args.iters or 5
+    rows: list[dict[str, Any]] = []
+    for n in counts:
+        part = codec_throughput(n, specs or None, repeats, args.dtype)
+        print(f"# gradcomm codec throughput: {n} x {args.dtype} ({n * item} B), median of "
+              f"{repeats}" + (f", copy {part[0]['copy_s'] * 1e3:.2f} ms" if part else ""),
+              flush=True)
+        print(format_table(part), flush=True)
+        rows.extend(part)
+    if args.json:
+        env = {"hostname": socket.gethostname(), "cpus": os.cpu_count(),
+               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                   timespec="seconds"),
+               "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+               "argv": sys.argv[1:]}
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"benchmark": "gradcomm.bench codecs", "schema": 1, "environment": env,
+                       "rows": rows}, f, indent=1)
+            f.write("\n")
+        print(f"# wrote {args.json}", flush=True)
+    return 0
 
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:

@@ -294,3 +294,15 @@ def test_bare_torch_transport_starts_gloo_processes(tmp_path):
     rows = _check_doc(doc, 2, "torch", 1)
     assert [r["algorithm"] for r in rows] == ["dist.all_reduce", "ring", "native"]
     assert p.stdout.count("# summary:") == 1
+
+
+@pytest.mark.timeout(60)
+def test_codecs_mode(tmp_path, capsys):
+    out = tmp_path / "codecs.json"
+    assert main(["--codecs", "--sizes", "16K", "--iters", "1", "--compressors",
+                 "fp16,topk:ratio=0.1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["codec"] for r in rows] == ["fp16", "topk:ratio=0.1"]
+    assert all(r["n"] == 4096 and r["wire_bytes"] < 16384 for r in rows)
+    assert "enc GB/s" in capsys.readouterr().out
+    assert main(["--codecs", "--dtype", "int8"]) == 2

@@ -17,7 +17,6 @@ import argparse
 import io
 import json
 import os
-import sys
 import time
 
 import numpy as np

@@ -138,6 +138,24 @@ def check_compressors(steps: int = 6, algos: tuple[str, ...] = ("auto", "ring"))
             done.append(f"{name}/{algo}: loss {first:.4f} -> {last:.4f}, "
                         f"{state.stats['bytes_sent']} B sent")
             state.close()
+    for dt_name, codec in (("float16", "topk"), ("bfloat16", "int8"), ("float16", "onebit")):
+        if codec not in gradcomm.compressors.names() or (QUICK and codec not in QUICK["codecs"]):
+            continue
+        dt = DTYPES[dt_name]
+        model, state = hooked(make_model(dt), codec, algorithm="auto")
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        for step in range(steps):
+            opt.zero_grad()
+            loss = loss_of(model, batch(step, dtype=dt))
+            loss.backward()
+            opt.step()
+        res = state.residuals._residuals
+        if not (np.isfinite(loss.item()) and same_everywhere(flat_params(model))
+                and all(v.dtype == np.float32 for v in res.values())):
+            fail(f"{dt_name} model with {codec}: parameters differ, loss not finite, or "
+                 f"residuals not float32 ({sorted({str(v.dtype) for v in res.values()})})")
+        done.append(f"{codec}/{dt_name} model: loss {loss.item():.4f}")
+        state.close()
     INFO["compressors"] = done
 
 

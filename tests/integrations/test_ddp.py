@@ -4,7 +4,8 @@ The multi-process checks live in ``scripts/ddp_checks.py`` and run many per laun
 (process start-up dominates): parity with DDP's built-in allreduce (bitwise), every codec
 trains with identical parameters on every rank, residuals survive bucket rebuilds and a
 change of bucket_cap_mb (telescoping identity), checkpoint-resume is bitwise equal to the
-unbroken run, join() with uneven inputs, and checkpoints moving between rank counts.
+unbroken run, join() with uneven inputs, the uncompressed warm-up (start_iter), and
+checkpoints moving between rank counts.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def assert_clean(run, n: int) -> list[dict]:
 # -- real processes ---------------------------------------------------------------------------
 @pytest.mark.timeout(150)
 def test_hook_on_two_gloo_processes():
-    run = torchrun(CHECKS, 2, "parity", "compressors", "rebuild", "resume", "join",
+    run = torchrun(CHECKS, 2, "parity", "warmup", "compressors", "rebuild", "resume", "join",
                    timeout=140)
     info = assert_clean(run, 2)[0]["info"]
     assert info["compressors"], info

@@ -114,6 +114,24 @@ def check_parity(steps: int = 3) -> None:
             state.close()
 
 
+def check_warmup(start: int = 2) -> None:
+    """start_iter: the first backward passes are plain averages (== DDP's built-in), the
+    next one is compressed."""
+    ref = DDP(make_model(), bucket_cap_mb=CAP)
+    ours, state = hooked(make_model(), "topk", start_iter=start)
+    for step in range(start + 1):
+        xy = batch(step)
+        for m in (ref, ours):
+            m.zero_grad()
+            loss_of(m, xy).backward()
+        same = all(torch.equal(a.grad, b.grad) for a, b in zip(ref.parameters(),
+                                                                ours.parameters()))
+        if same != (step < start):
+            fail(f"warm-up: step {step} {'equals' if same else 'differs from'} DDP's "
+                 f"built-in average (start_iter={start})")
+    state.close()
+
+
 def check_compressors(steps: int = 6, algos: tuple[str, ...] = ("auto", "ring")) -> None:
     """Every codec x some algorithms: training runs, parameters identical on every rank."""
     done = []
@@ -369,7 +387,7 @@ def _resized(blob: bytes, name: str, algo: str, group, steps: int, label: str) -
     state.close()
 
 
-CHECKS = {"parity": check_parity, "compressors": check_compressors, "rebuild": check_rebuild,
+CHECKS = {"parity": check_parity, "warmup": check_warmup, "compressors": check_compressors, "rebuild": check_rebuild,
           "resume": check_resume, "join": check_join, "resize": check_resize}
 
 

@@ -140,9 +140,18 @@ def _weighted_sum(terms: tuple[tuple[int, float], ...], values: Callable[[int], 
     """``acc = Σ w · values(j)`` over ``terms`` in their (ascending) order.
 
     Buffers of the peers in ``scratch`` may be overwritten (float32/64 received values are
-    scaled in place); other terms go through ``tmp()``.
+    scaled in place); other terms go through ``tmp()``. Equal weights (every built-in
+    topology's default) are summed first and scaled once: fewer passes over the data.
     """
     one = acc.dtype.type
+    if len(terms) > 1 and len({w for _, w in terms}) == 1:
+        first = _widen(values(terms[0][0]), dtype, acc)
+        for idx, (j, _) in enumerate(terms[1:]):
+            src = values(j)
+            v = src if src.dtype == acc.dtype else _widen(src, dtype, tmp())
+            np.add(first if idx == 0 else acc, v, out=acc)
+        np.multiply(acc, one(terms[0][1]), out=acc)
+        return acc
     for idx, (j, w) in enumerate(terms):
         src = values(j)
         if idx == 0:

@@ -335,9 +335,8 @@ def test_sixteen_bit_rounds_once():
     # float16 inputs, accumulated in float32: the result is one rounding of the mean
     x = inputs(3, 50, seed=5).astype(np.float16)
     got = run(3, lambda t: gossip_average(x[t.rank], t, topology="complete"))
-    w = np.float32(1 / 3)
-    acc = x[0].astype(np.float32) * w + x[1].astype(np.float32) * w
-    acc = acc + x[2].astype(np.float32) * w
+    acc = x[0].astype(np.float32) + x[1].astype(np.float32)   # equal weights: sum, then
+    acc = (acc + x[2].astype(np.float32)) * np.float32(1 / 3)  # scale once
     for r in range(3):
         assert got[r].dtype == np.float16
         assert got[r].tobytes() == acc.astype(np.float16).tobytes()

@@ -43,6 +43,7 @@ KEY_NINF = np.int32(-0x7F800001)         # key(-inf); smaller keys are NaNs
 FLT_MAX = float(np.finfo(np.float32).max)
 LANES = 64
 _CHUNK = 1 << 20
+_CHUNK_ELEMS = 1 << 16
 
 
 def _quiet(fn):
@@ -103,6 +104,23 @@ def pack(codes: np.ndarray, bits: int, out: np.ndarray | None = None) -> np.ndar
     """``bits``-bit codes (uint8, each < 2**bits) into a little-endian bit stream."""
     n = codes.size
     nbytes = (n * bits + 7) // 8
+    if bits in (1, 2, 4, 8):
+        per = 8 // bits
+        if bits == 8:
+            res = codes
+        elif bits == 1:
+            res = np.packbits(codes, bitorder="little")
+        else:
+            c = np.zeros(nbytes * per, np.uint8)
+            c[:n] = codes
+            c = c.reshape(nbytes, per)
+            res = c[:, 0].copy()
+            for j in range(1, per):
+                res |= c[:, j] << np.uint8(bits * j)
+        if out is None:
+            return res.copy() if res is codes else res
+        out[...] = res
+        return out
     g = (n + 7) // 8
     c = np.zeros(g * 8, np.uint64)
     c[:n] = codes
@@ -119,6 +137,14 @@ def pack(codes: np.ndarray, bits: int, out: np.ndarray | None = None) -> np.ndar
 
 def unpack(packed: np.ndarray, n: int, bits: int) -> np.ndarray:
     """Inverse of :func:`pack`: ``n`` codes of ``bits`` bits as uint8."""
+    if bits == 8:
+        return packed[:n].copy()
+    if bits == 1:
+        return np.unpackbits(packed, count=n, bitorder="little")
+    if bits in (2, 4):
+        per = 8 // bits
+        shifts = (np.arange(per, dtype=np.uint8) * np.uint8(bits)).reshape(1, per)
+        return ((packed.reshape(-1, 1) >> shifts) & np.uint8((1 << bits) - 1)).reshape(-1)[:n]
     g = (n + 7) // 8
     flat = np.zeros(g * bits, np.uint8)
     flat[:packed.size] = packed
@@ -171,7 +197,16 @@ def _row_lane_sums(rows: np.ndarray) -> np.ndarray:
 
 
 def _per_elem(v: np.ndarray, n: int, bs: int) -> np.ndarray:
-    return v[np.arange(n) // bs]
+    """Per-bucket values repeated per element (n elements in ``v.size`` buckets)."""
+    return np.full(n, v[0], v.dtype) if v.size == 1 else np.repeat(v, bs)[:n]
+
+
+def _chunks(n: int, bs: int):
+    """(start, count) of runs of whole buckets of about _CHUNK elements: temporaries stay
+    in cache, and any bucket size (or a hostile one) costs memory in proportion to n."""
+    c = max(bs, (_CHUNK_ELEMS // bs) * bs)
+    for s in range(0, n, c):
+        yield s, min(c, n - s)
 
 
 # --- float casts ------------------------------------------------------------------------
@@ -214,8 +249,9 @@ def bf16_to_f32(h: np.ndarray, out: np.ndarray) -> None:
 # --- int8: per-bucket min/max --------------------------------------------------------------
 
 @_quiet
-def minmax_encode(x: np.ndarray, bs: int, bits: int, stochastic: bool, key: np.ndarray,
-                  lo_out: np.ndarray, unit_out: np.ndarray, packed: np.ndarray) -> None:
+def _minmax_encode(x: np.ndarray, start: int, bs: int, bits: int, stochastic: bool,
+                   key: np.ndarray, lo_out: np.ndarray, unit_out: np.ndarray,
+                   packed: np.ndarray) -> None:
     n, L = x.size, (1 << bits) - 1
     if n == 0:
         return
@@ -234,15 +270,15 @@ def minmax_encode(x: np.ndarray, bs: int, bits: int, stochastic: bool, key: np.n
     with np.errstate(invalid="ignore", over="ignore"):
         y = (x - _per_elem(np.where(ok, lo, 0).astype(np.float32), n, bs)) * \
             _per_elem(inv, n, bs)
-        u = dither(key, 0, n) if stochastic else np.float32(0.5)
+        u = dither(key, start, n) if stochastic else np.float32(0.5)
         q = np.clip(np.floor(y + u), 0, L)
     q[_per_elem(~ok, n, bs)] = 0
     pack(q.astype(np.uint8), bits, packed)
 
 
 @_quiet
-def minmax_decode(packed: np.ndarray, n: int, bs: int, bits: int, lo: np.ndarray,
-                  unit: np.ndarray, out: np.ndarray) -> int:
+def _minmax_decode(packed: np.ndarray, n: int, bs: int, bits: int, lo: np.ndarray,
+                   unit: np.ndarray, out: np.ndarray) -> int:
     c = unpack(packed, n, bits).astype(np.float32)
     out[...] = _per_elem(lo, n, bs) + c * _per_elem(unit, n, bs)
     return 0
@@ -251,20 +287,21 @@ def minmax_decode(packed: np.ndarray, n: int, bs: int, bits: int, lo: np.ndarray
 # --- int8 with a fixed, shared scale (summable) ------------------------------------------
 
 @_quiet
-def fixed_encode(x: np.ndarray, bits: int, scale: float, stochastic: bool, key: np.ndarray,
-                 packed: np.ndarray) -> None:
+def _fixed_encode(x: np.ndarray, start: int, bits: int, scale: float, stochastic: bool,
+                  key: np.ndarray, packed: np.ndarray) -> None:
     n, L = x.size, (1 << (bits - 1)) - 1
     mul = np.float32(min(L / scale, FLT_MAX))
     with np.errstate(invalid="ignore", over="ignore"):
         t = x * mul
-        u = dither(key, 0, n) if stochastic else np.float32(0.5)
+        u = dither(key, start, n) if stochastic else np.float32(0.5)
         q = np.clip(np.floor(t + u), -L, L) + L
     q[~np.isfinite(x)] = 2 * L + 1                      # the NaN code
     pack(q.astype(np.uint8), bits, packed)
 
 
 @_quiet
-def fixed_decode(packed: np.ndarray, n: int, bits: int, scale: float, out: np.ndarray) -> int:
+def _fixed_decode(packed: np.ndarray, n: int, bits: int, scale: float,
+                  out: np.ndarray) -> int:
     """Returns the number of invalid codes (above 2L + 1 cannot occur; none are invalid)."""
     L = (1 << (bits - 1)) - 1
     c = unpack(packed, n, bits)
@@ -278,8 +315,8 @@ def fixed_decode(packed: np.ndarray, n: int, bits: int, scale: float, out: np.nd
 # --- qsgd / terngrad: sign + level, per-bucket scale ------------------------------------------
 
 @_quiet
-def signlevel_encode(x: np.ndarray, bs: int, s: int, bits: int, l2: bool, key: np.ndarray,
-                     scale_out: np.ndarray, packed: np.ndarray) -> None:
+def _signlevel_encode(x: np.ndarray, start: int, bs: int, s: int, bits: int, l2: bool,
+                      key: np.ndarray, scale_out: np.ndarray, packed: np.ndarray) -> None:
     n = x.size
     if n == 0:
         return
@@ -298,7 +335,7 @@ def signlevel_encode(x: np.ndarray, bs: int, s: int, bits: int, l2: bool, key: n
     scale_out[...] = np.where(bad, np.float32(np.nan), scale)
     with np.errstate(invalid="ignore", over="ignore"):
         y = np.abs(x) * _per_elem(mul, n, bs)
-        level = np.minimum(np.floor(y + dither(key, 0, n)), s)
+        level = np.minimum(np.floor(y + dither(key, start, n)), s)
     level[_per_elem(~ok, n, bs)] = 0
     level = level.astype(np.uint8)
     sign = (x < 0) & (level > 0)
@@ -306,8 +343,8 @@ def signlevel_encode(x: np.ndarray, bs: int, s: int, bits: int, l2: bool, key: n
 
 
 @_quiet
-def signlevel_decode(packed: np.ndarray, n: int, bs: int, s: int, bits: int,
-                     scale: np.ndarray, out: np.ndarray) -> int:
+def _signlevel_decode(packed: np.ndarray, n: int, bs: int, s: int, bits: int,
+                      scale: np.ndarray, out: np.ndarray) -> int:
     """Returns the number of codes whose level exceeds ``s`` (a corrupt payload)."""
     c = unpack(packed, n, bits)
     level = c & np.uint8((1 << (bits - 1)) - 1)
@@ -320,8 +357,8 @@ def signlevel_decode(packed: np.ndarray, n: int, bs: int, s: int, bits: int,
 # --- onebit: sign bit, per-bucket means of the two groups ---------------------------------
 
 @_quiet
-def onebit_encode(x: np.ndarray, bs: int, pos_out: np.ndarray, neg_out: np.ndarray,
-                  packed: np.ndarray) -> None:
+def _onebit_encode(x: np.ndarray, start: int, bs: int, pos_out: np.ndarray,
+                   neg_out: np.ndarray, packed: np.ndarray) -> None:
     n = x.size
     if n == 0:
         return
@@ -342,10 +379,72 @@ def onebit_encode(x: np.ndarray, bs: int, pos_out: np.ndarray, neg_out: np.ndarr
 
 
 @_quiet
-def onebit_decode(packed: np.ndarray, n: int, bs: int, pos: np.ndarray, neg: np.ndarray,
-                  out: np.ndarray) -> int:
+def _onebit_decode(packed: np.ndarray, n: int, bs: int, pos: np.ndarray, neg: np.ndarray,
+                   out: np.ndarray) -> int:
     bit = unpack(packed, n, 1).astype(bool)
     out[...] = np.where(bit, _per_elem(pos, n, bs), _per_elem(neg, n, bs))
+    return 0
+
+
+# --- chunk drivers (the public quantizer kernels) ----------------------------------------
+
+def minmax_encode(x, bs, bits, stochastic, key, lo_out, unit_out, packed) -> None:
+    for s, m in _chunks(x.size, bs):
+        b, nb, p = s // bs, -(-m // bs), s * bits // 8
+        _minmax_encode(x[s:s + m], s, bs, bits, stochastic, key, lo_out[b:b + nb],
+                       unit_out[b:b + nb], packed[p:p + (m * bits + 7) // 8])
+
+
+def minmax_decode(packed, n, bs, bits, lo, unit, out) -> int:
+    for s, m in _chunks(n, bs):
+        b, nb, p = s // bs, -(-m // bs), s * bits // 8
+        _minmax_decode(packed[p:p + (m * bits + 7) // 8], m, bs, bits, lo[b:b + nb],
+                       unit[b:b + nb], out[s:s + m])
+    return 0
+
+
+def fixed_encode(x, bits, scale, stochastic, key, packed) -> None:
+    for s, m in _chunks(x.size, 8):
+        p = s * bits // 8
+        _fixed_encode(x[s:s + m], s, bits, scale, stochastic, key,
+                      packed[p:p + (m * bits + 7) // 8])
+
+
+def fixed_decode(packed, n, bits, scale, out) -> int:
+    for s, m in _chunks(n, 8):
+        p = s * bits // 8
+        _fixed_decode(packed[p:p + (m * bits + 7) // 8], m, bits, scale, out[s:s + m])
+    return 0
+
+
+def signlevel_encode(x, bs, s_, bits, l2, key, scale_out, packed) -> None:
+    for s, m in _chunks(x.size, bs):
+        b, nb, p = s // bs, -(-m // bs), s * bits // 8
+        _signlevel_encode(x[s:s + m], s, bs, s_, bits, l2, key, scale_out[b:b + nb],
+                          packed[p:p + (m * bits + 7) // 8])
+
+
+def signlevel_decode(packed, n, bs, s_, bits, scale, out) -> int:
+    bad = 0
+    for s, m in _chunks(n, bs):
+        b, nb, p = s // bs, -(-m // bs), s * bits // 8
+        bad += _signlevel_decode(packed[p:p + (m * bits + 7) // 8], m, bs, s_, bits,
+                                 scale[b:b + nb], out[s:s + m])
+    return bad
+
+
+def onebit_encode(x, bs, pos_out, neg_out, packed) -> None:
+    for s, m in _chunks(x.size, bs):
+        b, nb = s // bs, -(-m // bs)
+        _onebit_encode(x[s:s + m], s, bs, pos_out[b:b + nb], neg_out[b:b + nb],
+                       packed[s // 8:s // 8 + (m + 7) // 8])
+
+
+def onebit_decode(packed, n, bs, pos, neg, out) -> int:
+    for s, m in _chunks(n, bs):
+        b, nb = s // bs, -(-m // bs)
+        _onebit_decode(packed[s // 8:s // 8 + (m + 7) // 8], m, bs, pos[b:b + nb],
+                       neg[b:b + nb], out[s:s + m])
     return 0
 
 

@@ -25,6 +25,8 @@ _LAZY = {
     "Allreduce": "gradcomm._allreduce",
     "sparse_allgather": "gradcomm.collectives.sparse_allgather",
     "gossip_average": "gradcomm.collectives.gossip",
+    "Gossip": "gradcomm.collectives.gossip",
+    "ErrorFeedback": "gradcomm.error_feedback",
 }
 
 
@@ -34,5 +36,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'gradcomm' has no attribute {name!r}")
 
 
-__all__ = ["Allreduce", "GradcommError", "allreduce", "allreduce_", "comm", "compressors", "errors",
+__all__ = ["Allreduce", "ErrorFeedback", "Gossip", "GradcommError", "allreduce", "allreduce_", "comm", "compressors", "errors",
            "gossip_average", "sparse_allgather", "__version__"]

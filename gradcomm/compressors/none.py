@@ -17,6 +17,9 @@ from .base import Compressor, Payload, check_codec, make_out, payload_nbytes
 from ..errors import PayloadError
 
 
+_FLOATS = ("float16", "float32", "float64")
+
+
 class NoneCompressor(Compressor):
     """Sends the values unchanged."""
 
@@ -35,6 +38,9 @@ class NoneCompressor(Compressor):
         values = payload.buffers.get("values")
         if values is None or payload.header.get("n") != values.size:
             raise PayloadError("none payload: 'values' missing or of the wrong length")
+        if values.dtype.name not in _FLOATS:
+            raise PayloadError(f"none payload: values of dtype {values.dtype.name}, "
+                               f"expected one of {', '.join(_FLOATS)}")
         if out is None:
             return values.copy()
         out = make_out(out, values.size, values.dtype)

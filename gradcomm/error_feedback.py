@@ -5,7 +5,9 @@ the value compressed is ``e + g`` and afterwards ``e ← (e + g) − decoded``, 
 codec dropped is sent later instead of being lost (1-bit SGD, EF-SGD, DGC). Over ``T``
 steps this telescopes: ``Σ decoded + e_T = Σ g``. Collectives that re-compress partial
 sums at every hop keep one more residual per hop under ``"<key>#<hop>"`` in the same
-object, and a step counter per key (it seeds the stochastic codecs).
+object, and a step counter per key (it seeds the stochastic codecs). Stateful codecs keep
+other per-key arrays in the same object (:meth:`ErrorFeedback.extra`, e.g. PowerSGD's
+warm-start ``Q`` under ``"<key>#q"``), checkpointed with the residuals.
 
 Everything is held as plain numpy arrays and ints, so :meth:`ErrorFeedback.state_dict`
 saves with ``numpy.savez`` (no pickle) or ``torch.save`` (load it with
@@ -39,6 +41,7 @@ from .errors import ConfigError
 #: format version of :meth:`ErrorFeedback.state_dict`
 STATE_VERSION = 1
 _RES, _STEP, _VER = "residual/", "step/", "gradcomm_error_feedback_version"
+_EXTRA = "extra/"
 #: separator between a key and the hop of a per-hop residual
 HOP_SEP = "#"
 
@@ -62,6 +65,7 @@ class ErrorFeedback:
         self.enabled = bool(enabled)
         self._residuals: dict[str, np.ndarray] = {}
         self._steps: dict[str, int] = {}
+        self._extras: dict[str, np.ndarray] = {}
 
     # -- residuals ----------------------------------------------------------------------
     def residual(self, name: str, n: int, dtype: Any) -> np.ndarray:
@@ -98,10 +102,13 @@ class ErrorFeedback:
         if key is None:
             self._residuals.clear()
             self._steps.clear()
+            self._extras.clear()
             return
         for name in [n for n in self._residuals if n == key or
                      n.startswith(key + HOP_SEP)]:
             del self._residuals[name]
+        for name in [n for n in self._extras if n == key or n.startswith(key + HOP_SEP)]:
+            del self._extras[name]
         self._steps.pop(key, None)
 
     def names(self) -> Iterator[str]:
@@ -112,6 +119,28 @@ class ErrorFeedback:
         """The residual of ``key`` and those of its hops (in name order)."""
         return [self._residuals[n] for n in sorted(self._residuals)
                 if n == key or n.startswith(key + HOP_SEP)]
+
+    # -- other per-key state of stateful codecs ---------------------------------------------
+    def extra(self, name: str) -> np.ndarray | None:
+        """The flat array stored under ``name`` by :meth:`set_extra`, or None.
+
+        Stateful codecs keep what they carry between steps here (PowerSGD: the warm-start
+        ``Q`` of each part), so that it is checkpointed and reset with the residuals; it
+        is kept whether or not error feedback is ``enabled``. Name entries after their key
+        (``"<key>#..."``) so that :meth:`reset` of the key drops them too.
+        """
+        return self._extras.get(name)
+
+    def set_extra(self, name: str, value: np.ndarray) -> None:
+        """Store flat numeric array ``value`` (not copied) under ``name``."""
+        if not isinstance(value, np.ndarray) or value.ndim != 1 or value.dtype.kind not in "fiu":
+            raise ConfigError(f"extra state {name!r} must be a flat numeric numpy array, got "
+                              f"{getattr(value, 'shape', type(value).__name__)}")
+        self._extras[name] = value
+
+    def extra_names(self) -> Iterator[str]:
+        """Names of the stored extra arrays."""
+        return iter(sorted(self._extras))
 
     # -- steps --------------------------------------------------------------------------
     def step(self, key: str) -> int:
@@ -126,14 +155,17 @@ class ErrorFeedback:
     def state_dict(self) -> dict[str, Any]:
         """A flat ``{name: ndarray | int}`` copy of every residual and step counter.
 
-        Names are ``"residual/<key>"`` and ``"step/<key>"`` plus a version entry, so the
-        dict passes straight to ``numpy.savez(path, **sd)``.
+        Names are ``"residual/<key>"``, ``"step/<key>"`` and ``"extra/<name>"`` (codec
+        state, see :meth:`extra`) plus a version entry, so the dict passes straight to
+        ``numpy.savez(path, **sd)``.
         """
         sd: dict[str, Any] = {_VER: STATE_VERSION}
         for name, e in self._residuals.items():
             sd[_RES + name] = e.copy()
         for key, s in self._steps.items():
             sd[_STEP + key] = int(s)
+        for name, v in self._extras.items():
+            sd[_EXTRA + name] = v.copy()
         return sd
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -151,6 +183,7 @@ class ErrorFeedback:
                               f"reads {STATE_VERSION}")
         residuals: dict[str, np.ndarray] = {}
         steps: dict[str, int] = {}
+        extras: dict[str, np.ndarray] = {}
         for name in state:
             value = state[name]
             if name.startswith(_RES):
@@ -164,9 +197,15 @@ class ErrorFeedback:
                 if s.ndim != 0 or s.dtype.kind not in "iu" or int(s) < 0:
                     raise ConfigError(f"step {name!r}: expected an int >= 0, got {value!r}")
                 steps[name[len(_STEP):]] = int(s)
+            elif name.startswith(_EXTRA):
+                arr = np.array(value, copy=True)
+                if arr.ndim != 1 or arr.dtype.kind not in "fiu":
+                    raise ConfigError(f"extra state {name!r}: expected a flat numeric array, "
+                                      f"got shape {arr.shape} dtype {arr.dtype}")
+                extras[name[len(_EXTRA):]] = arr
             elif name != _VER:
                 raise ConfigError(f"unexpected entry {name!r} in an ErrorFeedback state")
-        self._residuals, self._steps = residuals, steps
+        self._residuals, self._steps, self._extras = residuals, steps, extras
 
     def __repr__(self) -> str:
         return (f"ErrorFeedback(enabled={self.enabled}, residuals={len(self._residuals)}, "

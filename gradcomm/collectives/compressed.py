@@ -445,6 +445,13 @@ def compressed_allreduce(t: Transport, buf: np.ndarray, dtype: str, *, op: str,
     (default 0) seeds the stochastic codecs. Errors in the arguments are raised on every
     rank (after the cross-rank check, when ``check``).
     """
+    if (compressor if isinstance(compressor, str) else getattr(compressor, "name", None)) \
+            == "powersgd":                      # stateful, two rounds: its own route
+        from .powersgd import powersgd_allreduce
+
+        return powersgd_allreduce(t, buf, dtype, op=op, algorithm=algorithm, codec=compressor,
+                                  check=check, seed=seed, residuals=residuals, key=key,
+                                  **options)
     key = "default" if key is None else key
     problem: Exception | None = None
     codec: Compressor | None = None

@@ -73,7 +73,8 @@ def label_matches(row: dict[str, Any], spec: str) -> bool:
 
 def run_rate(rate: str, args: argparse.Namespace) -> dict[str, Any]:
     specs = compressor_specs(rate, args.compressors)
-    out: dict[str, Any] = {"rate": rate, "size": args.size, "compressors": specs, "rows": []}
+    out: dict[str, Any] = {"rate": rate, "size": args.size, "compressors": specs, "rows": [],
+                           "load_before": os.getloadavg()[0]}
     with netns.Network(2, rate) as net:
         print(f"## {rate}: {net.describe()}", flush=True)
         cap = netns.check(net, vias=("socket",), repeat=1)
@@ -90,13 +91,15 @@ def run_rate(rate: str, args: argparse.Namespace) -> dict[str, Any]:
             net.run(cmd, launcher="mpi", timeout=args.timeout)
             with open(path) as f:
                 doc = json.load(f)
+    out["load_after"] = os.getloadavg()[0]
     rows = doc["rows"]
     base = next((r for r in rows if r["compressor"] is None and r["check"] is None), None)
     out["bench"] = doc
     if base is None or not base.get("p50_us"):
         print("   no native baseline row in the benchmark output", flush=True)
         return out
-    print(f"   native dense ({base['label']}): p50 {base['p50_us'] / 1e3:.1f} ms", flush=True)
+    print(f"   native dense ({base['label']}): p50 {base['p50_us'] / 1e3:.1f} ms  (load "
+          f"{out['load_before']:.2f} before, {out['load_after']:.2f} after)", flush=True)
     for spec in specs:
         row = next((r for r in rows if label_matches(r, spec)), None)
         target = target_for(rate, spec)

@@ -293,6 +293,7 @@ def _worker(kind: str, path: str, qualname: str, args: str) -> None:
     value = fn(*json.loads(args))
     print("RESULT " + json.dumps({"rank": rank, "value": value}), flush=True)
     if kind == "torch":
+        dist.barrier()  # no teardown while a peer still talks (gloo aborts)
         dist.destroy_process_group()
 
 

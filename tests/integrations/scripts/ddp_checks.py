@@ -428,6 +428,7 @@ def main() -> None:
     INFO["seconds"] = times
     print("RESULT " + json.dumps({"rank": dist.get_rank(), "errors": ERRORS, "info": INFO}),
           flush=True)
+    dist.barrier()  # no teardown while a peer still talks (gloo aborts)
     dist.destroy_process_group()
 
 

@@ -3,7 +3,8 @@
 The registry-wide codec checks of ``test_codecs.py`` (round trips for every dtype and
 count, exact max_nbytes, zeros, NaN/Inf propagation, decompress_sum, out= reuse, registry
 round trip) run here on powersgd configurations; the collective is tested in
-``tests/collectives/test_powersgd.py``.
+``tests/collectives/test_powersgd.py`` (this file has another basename: pytest
+imports test modules by basename).
 """
 
 from __future__ import annotations

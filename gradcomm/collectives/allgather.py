@@ -57,11 +57,15 @@ def allgather_ints(t: Transport, values: Any, *, tag: int = TAG_SIZES) -> np.nda
 
 def allgatherv(t: Transport, block: Any, *, max_nbytes: int | None = None,
                algorithm: str = "auto", tag: int = TAG_DATA,
-               sizes: np.ndarray | None = None) -> list[np.ndarray]:
+               sizes: np.ndarray | None = None,
+               out: np.ndarray | None = None) -> list[np.ndarray]:
     """Gather every rank's flat uint8 ``block``; returns the blocks in rank order.
 
     ``max_nbytes`` bounds what a peer may announce (PayloadError on every rank beyond it).
-    ``sizes`` skips the size exchange when every rank already knows every size.
+    ``sizes`` skips the size exchange when every rank already knows every size. ``out``
+    (flat uint8, at least the total size) receives the blocks instead of a new array;
+    with the ring they lie in rank order, so blocks of sizes that are multiples of 8 in
+    an 8-aligned ``out`` stay 8-aligned.
     """
     if algorithm not in ALGORITHMS:
         raise ConfigError(f"unknown allgather algorithm {algorithm!r}; known: "
@@ -74,16 +78,19 @@ def allgatherv(t: Transport, block: Any, *, max_nbytes: int | None = None,
         raise ConfigError(f"rank {t.rank}: block of {mine.size} bytes but size "
                           f"{sizes[t.rank]} announced")
     total = int(sizes.sum())
+    if out is None:
+        out = np.empty(total, np.uint8)
+    elif out.dtype != np.uint8 or out.ndim != 1 or out.size < total:
+        raise ConfigError(f"allgatherv: out must be flat uint8 of >= {total} bytes")
+    out = out[:total]
     if algorithm == "auto":
         algorithm = "recursive_doubling" if total < SMALL else "ring"
     if algorithm == "ring":
-        out = np.empty(total, np.uint8)
         displ = np.concatenate([[0], np.cumsum(sizes)])
         out[displ[t.rank]:displ[t.rank + 1]] = mine
         _ring(t, out, displ, tag)
         return [out[displ[r]:displ[r + 1]] for r in range(t.size)]
     rotated = np.roll(sizes, -t.rank)
-    out = np.empty(total, np.uint8)
     _bruck(t, mine, out, rotated, tag)
     starts = np.concatenate([[0], np.cumsum(rotated)])
     return [out[starts[(r - t.rank) % t.size]:starts[(r - t.rank) % t.size + 1]]

@@ -63,11 +63,14 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import struct
+import threading
 import weakref
 import zlib
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -91,12 +94,117 @@ OPS = ("sum", "mean")
 CHUNK_BYTES = 512 * 1024
 
 _HDR = struct.Struct("<II")       # frame: number of parts, reserved (0)
-_PART = struct.Struct("<QQQ")     # part: offset in the segment, elements, payload bytes
+_PART = struct.Struct("<QQQ")     # part: offset in the segment, elements, lead|bytes
+_LEN_BITS = 56                    # part word 3: (lead << 56) | payload bytes
+_PREFIX_SIZE = 7                  # a payload's fixed prefix (magic, version, header length)
+_ALIGN = 64
 _STEPS: "weakref.WeakKeyDictionary[Transport, int]" = weakref.WeakKeyDictionary()
 
 
 def _round8(n: int) -> int:
     return (n + 7) & ~7
+
+
+def _aligned(nbytes: int, zero: bool = False) -> np.ndarray:
+    """A flat uint8 array of ``nbytes`` bytes starting on a 64-byte boundary."""
+    raw = (np.zeros if zero else np.empty)(nbytes + _ALIGN, np.uint8)
+    skip = -raw.ctypes.data % _ALIGN
+    return raw[skip:skip + nbytes]
+
+
+class _Arena:
+    """The byte buffers of one compressed allreduce (frames, landings), carved from one
+    block that later calls reuse.
+
+    Every buffer handed out during a call is distinct, so frames in flight, forwarded
+    landings and finished payloads stay intact until the call returns; the next call
+    starts over (all sends of the previous one have completed). A call that needs more
+    than the block gets separate buffers, and the block grows to that call's need. A fresh
+    allocation costs several memory copies in page faults; reuse makes repeated calls
+    (training steps) cheap. Thread-safe (a pipelined ring takes buffers from two threads).
+    """
+
+    def __init__(self) -> None:
+        self.block: np.ndarray | None = None
+        self.pos = self.used = 0
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        size = (max(nbytes, 1) + _ALIGN - 1) & ~(_ALIGN - 1)
+        with self._lock:
+            self.used += size
+            b = self.block
+            if b is not None and self.pos + size <= b.size:
+                self.pos += size
+                return b[self.pos - size:self.pos - size + nbytes]
+        return _aligned(nbytes)
+
+    def reset(self) -> None:
+        """Start a call: grow the block to what the previous call used."""
+        with self._lock:
+            if self.used > (0 if self.block is None else self.block.size):
+                self.block = None
+                self.block = _aligned(self.used, zero=True)
+            self.pos = self.used = 0
+
+    def discard(self) -> None:
+        """Forget the block (after a failed call, a peer's late message may still land)."""
+        with self._lock:
+            self.block, self.pos, self.used = None, 0, 0
+
+
+class _State:
+    """What one transport's compressed allreduces reuse from call to call: the arena,
+    float scratch and the payload layouts learned per (codec, count, dtype)."""
+
+    def __init__(self) -> None:
+        self.arena = _Arena()
+        self.layouts: dict[tuple[Any, ...], _Layout | None] = {}
+        self._floats: dict[tuple[int, str], np.ndarray] = {}
+        self.busy = False
+
+    def floats(self, slot: int, n: int, dtype: Any) -> np.ndarray:
+        """Scratch of ``n`` elements of ``dtype``; one per ``slot``, grown on demand."""
+        dt = np.dtype(dtype)
+        s = self._floats.get((slot, dt.name))
+        if s is None or s.size < n:
+            s = self._floats[slot, dt.name] = np.empty(max(n, 1), dt)
+        return s[:n]
+
+
+_STATES: "weakref.WeakKeyDictionary[Transport, _State]" = weakref.WeakKeyDictionary()
+_STATES_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _session(t: Transport) -> Iterator[_State]:
+    """The transport's reusable state for one call (a private one if another call on the
+    same transport is running); after an error the arena is dropped, not reused."""
+    with _STATES_LOCK:
+        st = _STATES.get(t)
+        if st is None:
+            st = _STATES[t] = _State()
+        if st.busy:
+            st = _State()
+        st.busy = True
+    st.arena.reset()
+    try:
+        yield st
+    except BaseException:
+        st.arena.discard()
+        raise
+    finally:
+        st.busy = False
+
+
+@dataclass
+class _Layout:
+    """Where a codec's buffers sit in a payload of one element count: ``lead`` bytes from
+    the part's start (room for the largest prefix + header, rounded to 8) then each
+    buffer ``(name, dtype, count, offset)`` back to back."""
+
+    lead: int
+    buffers: list[tuple[str, np.dtype, int, int]]
 
 
 def max_nbytes(codec: Compressor, n: int, dtype: str) -> int:
@@ -117,6 +225,21 @@ def max_nbytes(codec: Compressor, n: int, dtype: str) -> int:
 def is_sparse(codec: Compressor) -> bool:
     """True if the codec's decoded output is mostly zeros (top-k style)."""
     return bool(getattr(codec, "sparse", codec.name == "topk"))
+
+
+def _in_place(payload: Payload, views: dict[str, np.ndarray]) -> bool:
+    """Whether every buffer of ``payload`` is exactly its template view (same order)."""
+    if list(payload.buffers) != list(views):
+        return False
+    return all(b.nbytes == views[k].nbytes and b.ctypes.data == views[k].ctypes.data
+               for k, b in payload.buffers.items())
+
+
+def _accepts(fn: Any, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 class _Seeds:
@@ -145,44 +268,50 @@ class _Seeds:
 class CompressedWire:
     """The :class:`~gradcomm.collectives._wire.Wire` of a compressed allreduce.
 
-    Frames: ``[nparts u32][0 u32]`` then ``nparts`` × ``[offset u64][count u64][bytes
-    u64]``, then each part's payload padded to 8 bytes, then zeros up to a size that
-    follows from the element count alone (what receivers post). A partial segment is one
-    part; a finished segment assembled from finished pieces (Rabenseifner's allgather) is
-    sent as those pieces' payloads, not re-compressed. Peer frames are validated: parts
-    must tile the segment, sizes must fit, payloads parse and decode to the right length.
+    Frames: ``[nparts u32][0 u32]`` then ``nparts`` × ``[offset u64][count u64][lead << 56
+    | bytes u64]``; the table is followed by each part's region: ``lead`` zero bytes, the
+    payload (``bytes`` long), zeros up to a multiple of 8; then zeros up to a size that
+    follows from the element count alone (what receivers post). The lead puts the
+    payload's buffers on 8-byte boundaries, so receivers decode them in place, and the
+    sender's codec writes its output straight into the frame (``compress(..., out=)``
+    with buffers that are views of the frame: no copy). A partial segment is one part; a
+    finished segment assembled from finished pieces (Rabenseifner's allgather) is sent as
+    those pieces' payloads, not re-compressed. Peer frames are validated: parts must tile
+    the segment, sizes must fit, payloads parse and decode to the right length.
 
     ``ef`` (an :class:`ErrorFeedback`, or None) keeps one residual per hop; ``key`` names
     them. Hops are numbered in call order, which depends on (n, p, algorithm) only.
+    Buffers come from ``state`` (reused across calls on one transport), else fresh.
     """
 
     lossy = True
 
     def __init__(self, codec: Compressor, base: np.ndarray, seeds: _Seeds, *,
-                 max_parts: int = 1, ef: ErrorFeedback | None = None, key: str = "") -> None:
+                 max_parts: int = 1, ef: ErrorFeedback | None = None, key: str = "",
+                 state: _State | None = None) -> None:
         self.codec, self.base, self.seeds = codec, base, seeds
         self.dtype = base.dtype.name
         self.max_parts = max(1, max_parts)
         self.ef = ef if (ef is not None and ef.enabled and codec.lossy) else None
         self.key = key
+        self.state = state if state is not None else _State()
         self._bounds: dict[tuple[int, int], int] = {}
         self._maxes: dict[int, int] = {}
         # bytes a part may need beyond its share of max_nbytes(n): a header, one block of
-        # rounding, and wider integers in the header (msgpack ints grow to 9 bytes)
-        self._gap = _round8(self._max(1)) + 48
+        # rounding, the lead, and wider integers in the header (msgpack ints grow to 9 bytes)
+        self._gap = _round8(self._max(1)) + 56
         self._finished: dict[int, tuple[int, np.ndarray]] = {}   # offset -> (n, payload)
-        self._scratch: list[np.ndarray | None] = [None, None, None]
         self._partial_hops = 0
         self._final_hops = 0
-        self._reuse = "out" in inspect.signature(codec.compress).parameters
-        self._last: Payload | None = None
+        self._reuse = _accepts(codec.compress, "out")
+        self._codec_key = (type(codec), repr(sorted(codec.get_config().items())))
 
     # -- sizes ----------------------------------------------------------------------------
     def bound(self, n: int, parts: int = 1) -> int:
         """Frame bytes for ``n`` elements in up to ``parts`` parts."""
         b = self._bounds.get((n, parts))
         if b is None:
-            b = (_HDR.size + _PART.size * parts + _round8(self._max(n))
+            b = (_HDR.size + _PART.size * parts + _round8(self._max(n) + 7)
                  + (parts - 1) * self._gap)
             self._bounds[(n, parts)] = b
         return b
@@ -194,10 +323,7 @@ class CompressedWire:
         return m
 
     def _scratch_of(self, slot: int, n: int) -> np.ndarray:
-        s = self._scratch[slot]
-        if s is None or s.size < n:
-            s = self._scratch[slot] = np.empty(max(n, 1), self.base.dtype)
-        return s[:n]
+        return self.state.floats(slot, n, self.base.dtype)
 
     def _offset(self, seg: np.ndarray) -> int:
         off, rem = divmod(seg.ctypes.data - self.base.ctypes.data, self.base.itemsize)
@@ -219,20 +345,87 @@ class CompressedWire:
         return self.ef.residual(name, n, dtype)
 
     # -- frames ---------------------------------------------------------------------------
-    def _frame(self, parts: list[tuple[int, int, np.ndarray]], size: int) -> np.ndarray:
-        out = np.empty(size, np.uint8)       # fresh: the algorithm may still be sending
-        _HDR.pack_into(out, 0, len(parts), 0)
-        pos = _HDR.size + _PART.size * len(parts)
-        for i, (off, m, payload) in enumerate(parts):
-            _PART.pack_into(out, _HDR.size + _PART.size * i, off, m, payload.size)
-            out[pos:pos + payload.size] = payload
-            out[pos + payload.size:pos + _round8(payload.size)] = 0
-            pos += _round8(payload.size)
-        out[pos:] = 0                         # no stale memory on the wire
-        return out
+    def _layout(self, n: int) -> _Layout | None:
+        return self.state.layouts.get((self._codec_key, n, self.dtype))
 
-    def _frame_size(self, parts: list[tuple[int, int, np.ndarray]]) -> int:
-        return _HDR.size + _PART.size * len(parts) + sum(_round8(p.size) for _, _, p in parts)
+    def _learn(self, n: int, payload: Payload, head: int) -> None:
+        bufs, pos = [], 0
+        for name, b in payload.buffers.items():
+            bufs.append((name, b.dtype, int(b.size), pos))
+            pos += b.nbytes
+        lead = _round8(max(head, self._max(n) - pos))
+        self.state.layouts[(self._codec_key, n, self.dtype)] = _Layout(lead, bufs)
+
+    def _write_payload(self, frame: np.ndarray, pos: int, x: np.ndarray,
+                       seed: tuple[int, ...], n: int) -> tuple[int, int]:
+        """Compress ``x`` into the part region of ``frame`` starting at ``pos`` (8-aligned):
+        zeros, then the payload with its buffers 8-aligned. Returns (lead, bytes)."""
+        lay = self._layout(n) if self._reuse else None
+        views: dict[str, np.ndarray] = {}
+        if lay is not None:
+            b0 = pos + lay.lead
+            for name, dt, count, o in lay.buffers:
+                views[name] = frame[b0 + o:b0 + o + count * dt.itemsize].view(dt)
+            payload = self.codec.compress(x, seed=seed,  # type: ignore[call-arg]
+                                          out=Payload(self.codec.name, {}, views))
+        else:
+            payload = self.codec.compress(x, seed=seed)
+        meta = payload._meta()
+        head = _PREFIX_SIZE + len(meta)
+        plen = head + sum(b.nbytes for b in payload.buffers.values())
+        if plen > self._max(n):
+            raise PayloadError(f"{self.codec.name} produced {plen} bytes for {n} elements, "
+                               "above its declared max_nbytes")
+        if lay is not None and head <= lay.lead and _in_place(payload, views):
+            start = pos + lay.lead - head             # buffers already in place
+            payload.write_into(frame[start:start + plen], meta)
+        else:
+            start = pos + (-(pos + head)) % 8
+            if views:                                 # moved buffers may overlap the head
+                frame[start:start + plen] = payload.to_bytes()
+            else:
+                payload.write_into(frame[start:start + plen], meta)
+            if self._reuse and lay is None:
+                self._learn(n, payload, head)
+        frame[pos:start] = 0
+        end = start + plen
+        frame[end:_round8(end)] = 0
+        return start - pos, plen
+
+    def _single(self, x: np.ndarray, seed: tuple[int, ...], n: int, size: int
+                ) -> tuple[np.ndarray, np.ndarray]:
+        """A one-part frame of ``size`` bytes holding ``x`` compressed; (frame, payload)."""
+        frame = self.state.arena.take(size)
+        pos = _HDR.size + _PART.size
+        lead, plen = self._write_payload(frame, pos, x, seed, n)
+        _HDR.pack_into(frame, 0, 1, 0)
+        _PART.pack_into(frame, _HDR.size, 0, n, (lead << _LEN_BITS) | plen)
+        frame[_round8(pos + lead + plen):] = 0
+        return frame, frame[pos + lead:pos + lead + plen]
+
+    def _assemble(self, parts: list[tuple[int, int, np.ndarray]], size: int
+                  ) -> np.ndarray | None:
+        """A frame of ``size`` bytes from existing payloads (None if they do not fit)."""
+        pos = _HDR.size + _PART.size * len(parts)
+        places = []
+        for off, m, data in parts:
+            head = _PREFIX_SIZE + struct.unpack_from("<I", data, 3)[0]
+            lead = (-(pos + head)) % 8
+            places.append((pos, lead))
+            pos = _round8(pos + lead + data.size)
+        if pos > size:
+            return None
+        frame = self.state.arena.take(size)
+        _HDR.pack_into(frame, 0, len(parts), 0)
+        for i, ((off, m, data), (at, lead)) in enumerate(zip(parts, places)):
+            _PART.pack_into(frame, _HDR.size + _PART.size * i, off, m,
+                            (lead << _LEN_BITS) | data.size)
+            frame[at:at + lead] = 0
+            frame[at + lead:at + lead + data.size] = data
+            end = at + lead + data.size
+            frame[end:_round8(end)] = 0
+        frame[pos:] = 0
+        return frame
 
     def _parts(self, frame: np.ndarray, n: int, max_parts: int
                ) -> list[tuple[int, int, np.ndarray]]:
@@ -246,29 +439,36 @@ class CompressedWire:
                                f"{max_parts}) in {frame.size} bytes")
         parts, expect = [], 0
         for i in range(nparts):
-            off, m, plen = _PART.unpack_from(frame, _HDR.size + _PART.size * i)
-            if off != expect or m < 1 or off + m > n or pos + plen > frame.size:
+            off, m, word = _PART.unpack_from(frame, _HDR.size + _PART.size * i)
+            lead, plen = word >> _LEN_BITS, word & ((1 << _LEN_BITS) - 1)
+            if off != expect or m < 1 or off + m > n or pos + lead + plen > frame.size:
                 raise PayloadError(f"compressed frame part {i}: offset {off}, {m} elements, "
                                    f"{plen} bytes do not fit a segment of {n} elements in "
                                    f"{frame.size} bytes")
-            parts.append((off, m, frame[pos:pos + plen]))
-            pos += _round8(plen)
+            parts.append((off, m, frame[pos + lead:pos + lead + plen]))
+            pos = _round8(pos + lead + plen)
             expect = off + m
         if expect != n:
             raise PayloadError(f"compressed frame covers {expect} of {n} elements")
         return parts
 
-    def _decode(self, data: np.ndarray, dst: np.ndarray) -> None:
-        """``dst[...] = decode(data)`` (contiguous ``dst``), validated: codec name, the
-        announced count ``n`` and, in the codecs, everything else."""
+    def _payload(self, data: np.ndarray, n: int) -> Payload:
         payload = Payload.from_bytes(data, max_nbytes=data.size)
         if payload.codec != self.codec.name:
             raise PayloadError(f"payload of codec {payload.codec!r} where {self.codec.name!r} "
                                "was agreed")
-        n = payload.header.get("n", dst.size)
-        if n != dst.size:
-            raise PayloadError(f"{self.codec.name} payload announces {n!r} elements, "
-                               f"{dst.size} expected")
+        m = payload.header.get("n", n)
+        if m != n:
+            raise PayloadError(f"{self.codec.name} payload announces {m!r} elements, "
+                               f"{n} expected")
+        return payload
+
+    def _decode(self, data: np.ndarray, dst: np.ndarray) -> None:
+        """``dst[...] = decode(data)`` (contiguous ``dst``), validated: codec name, the
+        announced count ``n`` and, in the codecs, everything else."""
+        self._decode_payload(self._payload(data, dst.size), dst)
+
+    def _decode_payload(self, payload: Payload, dst: np.ndarray) -> None:
         try:
             res = self.codec.decompress(payload, out=dst)
         except PayloadError:
@@ -281,20 +481,18 @@ class CompressedWire:
                                    f"{getattr(res, 'shape', type(res))}, ({dst.size},) expected")
             dst[...] = res
 
-    def _compress(self, x: np.ndarray, seed: tuple[int, ...], n: int) -> np.ndarray:
-        if self._reuse:
-            self._last = self.codec.compress(x, seed=seed, out=self._last)  # type: ignore
-            data = self._last.to_bytes()
-        else:
-            data = self.codec.compress(x, seed=seed).to_bytes()
-        if data.size > self._max(n):
-            raise PayloadError(f"{self.codec.name} produced {data.size} bytes for {n} "
-                               f"elements, above its declared max_nbytes")
-        return data
+    def _decode_add(self, data: np.ndarray, seg: np.ndarray) -> None:
+        """``seg += decode(data)``, validated."""
+        self._decode_add_payload(self._payload(data, seg.size), seg)
+
+    def _decode_add_payload(self, payload: Payload, seg: np.ndarray) -> None:
+        dec = self._scratch_of(1, seg.size)
+        self._decode_payload(payload, dec)
+        np.add(dec, seg, out=seg)           # IEEE addition commutes: order-free
 
     # -- the Wire protocol ----------------------------------------------------------------
     def partial_buffer(self, n: int, like: Any, slot: int = 0) -> np.ndarray:
-        return np.empty(self.bound(n), np.uint8)
+        return self.state.arena.take(self.bound(n))
 
     def encode(self, seg: np.ndarray) -> np.ndarray:
         off, n = self._offset(seg), seg.size
@@ -302,52 +500,49 @@ class CompressedWire:
         self._partial_hops += 1
         seed = self.seeds.partial(off, n, hop)
         if self.ef is None:
-            data = self._compress(seg, seed, n)
-        else:
-            e = self._hop_residual(f"{self.key}{HOP_SEP}e{hop}", off, n, seg.dtype)
-            np.add(seg, e, out=e)
-            data = self._compress(e, seed, n)
-            dec = self._scratch_of(0, n)
-            self._decode(data, dec)
-            np.subtract(e, dec, out=e)
-        return self._frame([(0, n, data)], self.bound(n))
+            return self._single(seg, seed, n, self.bound(n))[0]
+        e = self._hop_residual(f"{self.key}{HOP_SEP}e{hop}", off, n, seg.dtype)
+        np.add(seg, e, out=e)
+        frame, data = self._single(e, seed, n, self.bound(n))
+        dec = self._scratch_of(0, n)
+        self._decode(data, dec)
+        np.subtract(e, dec, out=e)
+        return frame
 
     def reduce(self, recv: np.ndarray, seg: np.ndarray, recv_first: bool) -> None:
         off, n = self._offset(seg), seg.size
         self._forget(off, off + n)
         (_, _, data), = self._parts(recv, n, 1)
-        dec = self._scratch_of(1, n)
-        self._decode(data, dec)
-        np.add(dec, seg, out=seg)           # IEEE addition commutes: order-free
+        self._decode_add(data, seg)
 
     def final(self, seg: np.ndarray) -> np.ndarray:
         off, n = self._offset(seg), seg.size
         size = self.bound(n, self.max_parts)
         pieces = sorted((o, m, p) for o, (m, p) in self._finished.items()
                         if off <= o and o + m <= off + n)
-        if sum(m for _, m, _ in pieces) == n:           # finished pieces tile the segment
-            parts = [(o - off, m, p) for o, m, p in pieces]
-            if len(parts) <= self.max_parts and self._frame_size(parts) <= size:
-                return self._frame(parts, size)
+        if sum(m for _, m, _ in pieces) == n and len(pieces) <= self.max_parts:
+            frame = self._assemble([(o - off, m, p) for o, m, p in pieces], size)
+            if frame is not None:                       # finished pieces tile the segment
+                return frame
         hop = self._final_hops
         self._final_hops += 1
         seed = self.seeds.final(off, n, hop, seg)
         if self.ef is None:
-            data = self._compress(seg, seed, n)
+            frame, data = self._single(seg, seed, n, size)
             if self.codec.lossy:
                 self._decode(data, seg)
         else:
             e = self._hop_residual(f"{self.key}{HOP_SEP}f{hop}", off, n, seg.dtype)
             np.add(seg, e, out=e)
-            data = self._compress(e, seed, n)
+            frame, data = self._single(e, seed, n, size)
             self._decode(data, seg)
             np.subtract(e, seg, out=e)
         self._forget(off, off + n)
         self._finished[off] = (n, data)
-        return self._frame([(0, n, data)], size)
+        return frame
 
     def final_buffer(self, n: int, seg: np.ndarray) -> np.ndarray:
-        return np.empty(self.bound(n, self.max_parts), np.uint8)
+        return self.state.arena.take(self.bound(n, self.max_parts))
 
     def place(self, recv: np.ndarray, seg: np.ndarray) -> None:
         off, n = self._offset(seg), seg.size
@@ -379,13 +574,13 @@ def segment_codec(codec: Compressor, n: int) -> Compressor:
 
 
 def _per_hop(t: Transport, x: np.ndarray, codec: Compressor, name: str, seeds: _Seeds,
-             ef: ErrorFeedback | None, key: str) -> None:
+             ef: ErrorFeedback | None, key: str, state: _State | None = None) -> None:
     from . import algorithm
 
     codec = segment_codec(codec, x.size)
 
     parts = 1 << (t.size.bit_length() - 1) if name == "rabenseifner" else 1
-    wire = CompressedWire(codec, x, seeds, max_parts=parts, ef=ef, key=key)
+    wire = CompressedWire(codec, x, seeds, max_parts=parts, ef=ef, key=key, state=state)
     kwargs: dict[str, Any] = {}
     if name in ("ring", "tree") and x.size:
         ratio = x.size * x.itemsize / max(1, max_nbytes(codec, x.size, x.dtype.name))
@@ -393,44 +588,84 @@ def _per_hop(t: Transport, x: np.ndarray, codec: Compressor, name: str, seeds: _
     algorithm(name)(t, x, Reducer("sum", x.dtype.name), wire=wire, **kwargs)
 
 
+def _plain_ef(ef: ErrorFeedback) -> bool:
+    """Whether ``ef`` keeps the key's residual the standard way (the DDP hook's store
+    overrides compensate/update to keep per-parameter residuals instead)."""
+    return type(ef).compensate is ErrorFeedback.compensate and \
+        type(ef).update is ErrorFeedback.update
+
+
 def _gathered(t: Transport, x: np.ndarray, codec: Compressor, sparse: bool, seeds: _Seeds,
-              ef: ErrorFeedback | None, key: str) -> None:
+              ef: ErrorFeedback | None, key: str, state: _State | None = None) -> None:
+    """Every rank compresses ``x`` (+ its residual) once; the payloads are allgathered as
+    one-part frames of the same size (no size exchange) and decoded-and-summed in rank
+    order into ``x``. Sparse codecs send their (index, value) pairs through
+    :func:`~gradcomm.collectives.sparse_allgather.allreduce` instead."""
     from .allgather import allgatherv
 
-    n, dtype = x.size, x.dtype.name
+    n = x.size
+    wire = CompressedWire(codec, x, seeds, state=state)
     if ef is not None:
         ef.compensate(key, x)
-    data = codec.compress(x, seed=seeds.whole()).to_bytes()
-    if sparse or ef is not None:
-        wire = CompressedWire(codec, x, seeds)
-        dec = np.empty_like(x)
-        wire._decode(data, dec)
-        if ef is not None:
-            ef.update(key, x, dec)
-    if sparse:
-        from .sparse_allgather import allreduce as sparse_allreduce
-
-        idx = np.flatnonzero(dec)
-        sparse_allreduce(t, idx, dec[idx], n, out=x)
+    if sparse and ef is None and _accepts(getattr(codec, "to_sparse", None), "payload"):
+        payload = codec.compress(x, seed=seeds.whole())
+        _, _, idx, vals = codec.to_sparse(payload)       # type: ignore[attr-defined]
+        _sparse_sum(t, idx, vals, x)
         return
-    bound = max_nbytes(codec, n, dtype)
-    blocks = allgatherv(t, data, max_nbytes=bound)
+    size = wire.bound(n)
+    frame, data = wire._single(x, seeds.whole(), n, size)
+    if ef is not None:
+        dec = wire._scratch_of(0, n)
+        wire._decode(data, dec)
+        ef.update(key, x, dec)
+        if sparse:
+            idx = np.flatnonzero(dec)
+            _sparse_sum(t, idx, dec[idx], x)
+            return
+    elif sparse:
+        dec = wire._scratch_of(0, n)
+        wire._decode(data, dec)
+        idx = np.flatnonzero(dec)
+        _sparse_sum(t, idx, dec[idx], x)
+        return
+    landing = wire.state.arena.take(size * t.size)
+    blocks = allgatherv(t, frame, sizes=np.full(t.size, size, np.int64), out=landing)
     payloads = []
     for r, b in enumerate(blocks):
-        p = Payload.from_bytes(b, max_nbytes=bound)
-        if p.codec != codec.name:
-            raise PayloadError(f"rank {r} sent a {p.codec!r} payload; {codec.name!r} was agreed")
-        payloads.append(p)
+        try:
+            (_, _, data), = wire._parts(b, n, 1)
+            payloads.append(wire._payload(data, n))
+        except PayloadError as exc:
+            raise PayloadError(f"rank {r}'s payload: {exc}") from None
+    _decode_sum(wire, payloads, x)
+
+
+def _sparse_sum(t: Transport, idx: np.ndarray, vals: np.ndarray, x: np.ndarray) -> None:
+    from .sparse_allgather import allreduce as sparse_allreduce
+
+    sparse_allreduce(t, idx, vals, x.size, out=x)
+
+
+def _decode_sum(wire: CompressedWire, payloads: list[Payload], x: np.ndarray) -> None:
+    """``x = Σ decode(payloads)`` in rank order (the codec's decompress_sum if it has its
+    own, else decode, then decode-and-add)."""
+    codec, n = wire.codec, x.size
     try:
-        total = codec.decompress_sum(payloads)
+        if type(codec).decompress_sum is not Compressor.decompress_sum:
+            total = codec.decompress_sum(payloads, out=x)
+            if total is not x:
+                if total.shape != (n,):
+                    raise PayloadError(f"{codec.name} payloads decode to shape "
+                                       f"{total.shape}, ({n},) expected")
+                x[...] = total
+            return
+        wire._decode_payload(payloads[0], x)
+        for p in payloads[1:]:
+            wire._decode_add_payload(p, x)
     except PayloadError:
         raise
     except (ValueError, TypeError, IndexError, KeyError, OverflowError) as exc:
         raise PayloadError(f"{codec.name} payloads do not decode: {exc}") from None
-    if total.shape != (n,):
-        raise PayloadError(f"{codec.name} payloads decode to shape {total.shape}, ({n},) "
-                           "expected")
-    x[...] = total
 
 
 def compressed_allreduce(t: Transport, buf: np.ndarray, dtype: str, *, op: str,
@@ -512,36 +747,60 @@ def _run(t: Transport, buf: np.ndarray, dtype: str, op: str, algorithm: str,
          codec: Compressor, seed: int, step: int, ef: ErrorFeedback | None, key: str
          ) -> np.ndarray:
     p, n = t.size, buf.size
-    if dtype == "bfloat16":
-        x = bf16_to_f32(buf)
-    elif dtype == "float16":
-        x = buf.astype(np.float32)
-    else:
-        x = buf
-    pre_divide = op == "mean" and codec.lossy and p > 1
-    if pre_divide:
-        np.divide(x, x.dtype.type(p), out=x)
     ef = ef if (ef is not None and ef.enabled and codec.lossy and contractive(codec)) \
         else None
+    pre_divide = op == "mean" and codec.lossy and p > 1
     if p == 1 or n == 0:
+        x = _widen(buf, dtype, None)
+        if pre_divide:
+            np.divide(x, x.dtype.type(p), out=x)
         if ef is not None and n:
             ef.compensate(key, x)
             ef.update(key, x, x)
-    else:
+        return _narrow(x, buf, dtype)
+    with _session(t) as state:
+        x = _widen(buf, dtype, state)
+        if pre_divide:
+            np.divide(x, x.dtype.type(p), out=x)
         seeds = _Seeds(seed, step, key, t.rank, codec.shared_seed)
         name = algorithm
         if name == "auto":
             name = _choose(t, codec, n, x.dtype.name, np.dtype(buf.dtype).itemsize)
         if name in HOP_ALGORITHMS:
-            _per_hop(t, x, codec, name, seeds, ef, key)
+            _per_hop(t, x, codec, name, seeds, ef, key, state)
         else:
-            _gathered(t, x, codec, name == "sparse_allgather", seeds, ef, key)
-    if op == "mean" and not pre_divide and p > 1:
-        np.divide(x, x.dtype.type(p), out=x)
+            _gathered(t, x, codec, name == "sparse_allgather", seeds, ef, key, state)
+        if op == "mean" and not pre_divide:
+            np.divide(x, x.dtype.type(p), out=x)
+        return _narrow(x, buf, dtype)
+
+
+def _widen(buf: np.ndarray, dtype: str, state: _State | None) -> np.ndarray:
+    """The float32 working copy of 16-bit floats (reused scratch), else ``buf`` itself."""
+    if dtype not in ("bfloat16", "float16"):
+        return buf
+    from ..compressors import _kernels
+
+    x = state.floats(3, buf.size, np.float32) if state is not None else \
+        np.empty(buf.size, np.float32)
+    k = _kernels.for_size(buf.size)
     if dtype == "bfloat16":
-        f32_to_bf16(x, buf)
-    elif dtype == "float16":
-        buf[...] = x
+        k.bf16_to_f32(buf, x)
+    else:
+        k.f16_to_f32(buf.view(np.uint16), x)
+    return x
+
+
+def _narrow(x: np.ndarray, buf: np.ndarray, dtype: str) -> np.ndarray:
+    """Round the float32 result back into 16-bit ``buf`` (no-op when ``x is buf``)."""
+    if x is not buf:
+        from ..compressors import _kernels
+
+        k = _kernels.for_size(buf.size)
+        if dtype == "bfloat16":
+            k.f32_to_bf16(x, buf)
+        else:
+            k.f32_to_f16(x, buf.view(np.uint16))
     return buf
 
 

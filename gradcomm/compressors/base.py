@@ -65,16 +65,39 @@ class Payload:
     def to_bytes(self) -> np.ndarray:
         """The wire form, as a flat uint8 array of exactly ``nbytes`` bytes."""
         meta = self._meta()
-        out = np.empty(self.nbytes, np.uint8)
+        out = np.empty(_PREFIX.size + len(meta) + sum(b.nbytes for b in self.buffers.values()),
+                       np.uint8)
+        self.write_into(out, meta)
+        return out
+
+    def write_into(self, out: np.ndarray, meta: bytes | None = None) -> int:
+        """Write the wire form at the start of flat uint8 ``out``; returns its length.
+
+        A buffer that already sits where the wire form puts it (made as a view of ``out``
+        and filled by ``compress(..., out=)``) is not copied again. ``meta`` is this
+        payload's msgpack header if the caller already has it.
+
+        Example:
+            >>> p = Payload("none", {"n": 2}, {"values": np.array([1.0, 2.0], np.float32)})
+            >>> buf = np.zeros(64, np.uint8)
+            >>> m = p.write_into(buf); bytes(buf[:m]) == bytes(p.to_bytes())
+            True
+        """
+        meta = self._meta() if meta is None else meta
+        total = _PREFIX.size + len(meta) + sum(b.nbytes for b in self.buffers.values())
+        if out.dtype != np.uint8 or out.ndim != 1 or out.size < total:
+            raise ValueError(f"write_into needs a flat uint8 array of >= {total} bytes")
         _PREFIX.pack_into(out, 0, MAGIC, VERSION, len(meta))
         pos = _PREFIX.size
         out[pos:pos + len(meta)] = np.frombuffer(meta, np.uint8)
         pos += len(meta)
+        base = out.ctypes.data
         for b in self.buffers.values():
             n = b.nbytes
-            out[pos:pos + n] = np.ascontiguousarray(b).reshape(-1).view(np.uint8)
+            if n and not (b.flags.c_contiguous and b.ctypes.data == base + pos):
+                out[pos:pos + n] = np.ascontiguousarray(b).reshape(-1).view(np.uint8)
             pos += n
-        return out
+        return total
 
     @classmethod
     def from_bytes(cls, data: Any, *, max_nbytes: int = MAX_PAYLOAD) -> Payload:

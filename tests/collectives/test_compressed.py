@@ -324,7 +324,7 @@ def test_ring_bytes_stay_2_p_minus_1_over_p_of_compressed(p: int) -> None:
     for s in sent:
         assert s <= 2 * (p - 1) * frame
         assert s >= 2 * (p - 1) * codec.max_nbytes(n // p)
-    assert frame - codec.max_nbytes(seg) <= 40          # framing overhead
+    assert frame - codec.max_nbytes(seg) <= 48          # framing: table, lead, rounding
 
 
 # -- what is refused, and how -------------------------------------------------------------

@@ -304,6 +304,7 @@ class CompressedWire:
         self._partial_hops = 0
         self._final_hops = 0
         self._reuse = _accepts(codec.compress, "out")
+        self._add = _accepts(codec.decompress, "add")     # fused decode-and-add
         self._codec_key = (type(codec), repr(sorted(codec.get_config().items())))
 
     # -- sizes ----------------------------------------------------------------------------
@@ -486,9 +487,19 @@ class CompressedWire:
         self._decode_add_payload(self._payload(data, seg.size), seg)
 
     def _decode_add_payload(self, payload: Payload, seg: np.ndarray) -> None:
-        dec = self._scratch_of(1, seg.size)
-        self._decode_payload(payload, dec)
-        np.add(dec, seg, out=seg)           # IEEE addition commutes: order-free
+        if not self._add:
+            dec = self._scratch_of(1, seg.size)
+            self._decode_payload(payload, dec)
+            np.add(dec, seg, out=seg)           # IEEE addition commutes: order-free
+            return
+        try:
+            res = self.codec.decompress(payload, out=seg, add=True)  # type: ignore[call-arg]
+        except PayloadError:
+            raise
+        except (ValueError, TypeError, IndexError, KeyError, OverflowError) as exc:
+            raise PayloadError(f"{self.codec.name} payload does not decode: {exc}") from None
+        if res is not seg:
+            raise PayloadError(f"{self.codec.name} did not decode into the given out=")
 
     # -- the Wire protocol ----------------------------------------------------------------
     def partial_buffer(self, n: int, like: Any, slot: int = 0) -> np.ndarray:

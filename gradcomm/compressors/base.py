@@ -277,6 +277,12 @@ def one_of(name: str, value: Any, choices: Sequence[Any]) -> Any:
     return value
 
 
+def need_out(add: bool, out: Any, name: str) -> None:
+    """ConfigError for ``decompress(..., add=True)`` without ``out`` (nothing to add to)."""
+    if add and out is None:
+        raise ConfigError(f"{name}.decompress: add=True needs out= (the array to add to)")
+
+
 def make_out(out: np.ndarray | None, n: int, dtype: np.dtype, zero: bool = False
              ) -> np.ndarray:
     """``out`` checked against the payload's count and dtype, or a new array (zeroed if

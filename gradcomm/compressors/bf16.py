@@ -20,7 +20,7 @@ import numpy as np
 
 from . import _kernels
 from .base import (Compressor, Payload, Reader, as_float32, as_input, dtype_code, make_out,
-                   payload_nbytes, reuse)
+                   need_out, payload_nbytes, reuse)
 
 
 class Bf16Compressor(Compressor):
@@ -36,7 +36,10 @@ class Bf16Compressor(Compressor):
         _kernels.for_size(x.size).f32_to_bf16(as_float32(x), v)
         return Payload(self.name, {"n": x.size, "dt": dtype_code(x.dtype)}, {"v": v})
 
-    def decompress(self, payload: Payload, out: np.ndarray | None = None) -> np.ndarray:
+    def decompress(self, payload: Payload, out: np.ndarray | None = None,
+                   add: bool = False) -> np.ndarray:
+        """Decode into ``out`` (new if None); ``add``: ``out = decoded + out``."""
+        need_out(add, out, self.name)
         r = Reader(payload, self.name, ("n", "dt"), ("v",))
         dt = r.dtype()
         n = r.int("n", 0, 1 << 62)
@@ -44,8 +47,8 @@ class Bf16Compressor(Compressor):
         out = make_out(out, n, dt)
         k = _kernels.for_size(n)
         tmp = _kernels.f32_target(out)
-        k.bf16_to_f32(v, tmp)
-        return _kernels.f32_finish(tmp, out, k)
+        k.bf16_to_f32(v, tmp, add and tmp is out)
+        return _kernels.f32_finish(tmp, out, k, add)
 
     def max_nbytes(self, n: int, dtype: str = "float32") -> int:
         return payload_nbytes(self.name, {"n": n, "dt": dtype_code(dtype)}, [("v", "uint16", n)])

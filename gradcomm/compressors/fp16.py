@@ -21,8 +21,8 @@ import numpy as np
 
 from . import _kernels
 from ._kernels import _numpy
-from .base import (Compressor, Payload, Reader, as_input, dtype_code, make_out, payload_nbytes,
-                   reuse)
+from .base import (Compressor, Payload, Reader, as_input, dtype_code, make_out, need_out,
+                   payload_nbytes, reuse)
 
 
 class Fp16Compressor(Compressor):
@@ -43,19 +43,25 @@ class Fp16Compressor(Compressor):
             _numpy.f32_to_f16(x, v.view(np.uint16))
         return Payload(self.name, {"n": x.size, "dt": dtype_code(x.dtype)}, {"v": v})
 
-    def decompress(self, payload: Payload, out: np.ndarray | None = None) -> np.ndarray:
+    def decompress(self, payload: Payload, out: np.ndarray | None = None,
+                   add: bool = False) -> np.ndarray:
+        """Decode into ``out`` (new if None); ``add``: ``out = decoded + out``."""
+        need_out(add, out, self.name)
         r = Reader(payload, self.name, ("n", "dt"), ("v",))
         dt = r.dtype()
         n = r.int("n", 0, 1 << 62)
         v = r.buffer("v", "float16", n)
         out = make_out(out, n, dt)
         if dt == np.float16:
-            out[...] = v
+            if add:
+                np.add(v, out, out=out)
+            else:
+                out[...] = v
         else:
             k = _kernels.for_size(n)
             tmp = _kernels.f32_target(out)
-            k.f16_to_f32(v.view(np.uint16), tmp)
-            _kernels.f32_finish(tmp, out, k)
+            k.f16_to_f32(v.view(np.uint16), tmp, add and tmp is out)
+            _kernels.f32_finish(tmp, out, k, add)
         return out
 
     def max_nbytes(self, n: int, dtype: str = "float32") -> int:

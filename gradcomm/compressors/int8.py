@@ -35,7 +35,7 @@ import numpy as np
 
 from . import _kernels
 from .base import (Compressor, Payload, Reader, as_float32, as_input, dtype_code, make_out,
-                   one_of, payload_nbytes, positive_int, reuse, seed_words)
+                   need_out, one_of, payload_nbytes, positive_int, reuse, seed_words)
 from ..errors import ConfigError, PayloadError
 
 #: largest bucket a payload may announce (also the option's upper bound)
@@ -96,7 +96,10 @@ class Int8Compressor(Compressor):
         k.minmax_encode(x32, self.bucket_size, self.bits, stochastic, key, lo, unit, q)
         return Payload(self.name, header, {"lo": lo, "unit": unit, "q": q})
 
-    def decompress(self, payload: Payload, out: np.ndarray | None = None) -> np.ndarray:
+    def decompress(self, payload: Payload, out: np.ndarray | None = None,
+                   add: bool = False) -> np.ndarray:
+        """Decode into ``out`` (new if None); ``add``: ``out = decoded + out``."""
+        need_out(add, out, self.name)
         shared = isinstance(payload, Payload) and isinstance(payload.header, dict) and \
             "sc" in payload.header
         keys = ("n", "dt", "bits", "sc") if shared else ("n", "dt", "bits", "bs")
@@ -108,15 +111,15 @@ class Int8Compressor(Compressor):
         k = _kernels.for_size(n)
         tmp = _kernels.f32_target(out)
         if shared:
-            k.fixed_decode(q, n, bits, r.float("sc"), tmp)
+            k.fixed_decode(q, n, bits, r.float("sc"), tmp, add and tmp is out)
         else:
             bs = r.int("bs", 8, MAX_BUCKET)
             if bs % 8:
                 raise PayloadError(f"int8 payload: bucket size {bs} is not a multiple of 8")
             nb = -(-n // bs)
             k.minmax_decode(q, n, bs, bits, r.buffer("lo", "float32", nb),
-                            r.buffer("unit", "float32", nb), tmp)
-        return _kernels.f32_finish(tmp, out, k)
+                            r.buffer("unit", "float32", nb), tmp, add and tmp is out)
+        return _kernels.f32_finish(tmp, out, k, add)
 
     def max_nbytes(self, n: int, dtype: str = "float32") -> int:
         h = self._header(n, dtype_code(dtype))

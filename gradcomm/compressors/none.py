@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .base import Compressor, Payload, check_codec, make_out, payload_nbytes
+from .base import Compressor, Payload, check_codec, make_out, need_out, payload_nbytes
 from ..errors import PayloadError
 
 
@@ -33,7 +33,10 @@ class NoneCompressor(Compressor):
     def max_nbytes(self, n: int, dtype: str = "float32") -> int:
         return payload_nbytes(self.name, {"n": n}, [("values", dtype, n)])
 
-    def decompress(self, payload: Payload, out: np.ndarray | None = None) -> np.ndarray:
+    def decompress(self, payload: Payload, out: np.ndarray | None = None,
+                   add: bool = False) -> np.ndarray:
+        """The values (a copy, or in ``out``); ``add``: ``out = values + out``."""
+        need_out(add, out, self.name)
         check_codec(payload, self.name)
         values = payload.buffers.get("values")
         if values is None or payload.header.get("n") != values.size:
@@ -44,5 +47,8 @@ class NoneCompressor(Compressor):
         if out is None:
             return values.copy()
         out = make_out(out, values.size, values.dtype)
-        out[...] = values
+        if add:
+            np.add(values, out, out=out)
+        else:
+            out[...] = values
         return out

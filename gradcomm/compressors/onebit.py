@@ -21,7 +21,7 @@ import numpy as np
 
 from . import _kernels
 from .base import (Compressor, Payload, Reader, as_float32, as_input, dtype_code, make_out,
-                   payload_nbytes, reuse)
+                   need_out, payload_nbytes, reuse)
 from .int8 import MAX_BUCKET, bucket_option
 from ..errors import PayloadError
 
@@ -49,7 +49,10 @@ class OneBitCompressor(Compressor):
         return Payload(self.name, {"n": n, "dt": dtype_code(x.dtype), "bs": bs},
                        {"pos": pos, "neg": neg, "q": q})
 
-    def decompress(self, payload: Payload, out: np.ndarray | None = None) -> np.ndarray:
+    def decompress(self, payload: Payload, out: np.ndarray | None = None,
+                   add: bool = False) -> np.ndarray:
+        """Decode into ``out`` (new if None); ``add``: ``out = decoded + out``."""
+        need_out(add, out, self.name)
         r = Reader(payload, self.name, ("n", "dt", "bs"), ("pos", "neg", "q"))
         dt, bs = r.dtype(), r.int("bs", 8, MAX_BUCKET)
         if bs % 8:
@@ -61,8 +64,8 @@ class OneBitCompressor(Compressor):
         out = make_out(out, n, dt)
         k = _kernels.for_size(n)
         tmp = _kernels.f32_target(out)
-        k.onebit_decode(q, n, bs, pos, neg, tmp)
-        return _kernels.f32_finish(tmp, out, k)
+        k.onebit_decode(q, n, bs, pos, neg, tmp, add and tmp is out)
+        return _kernels.f32_finish(tmp, out, k, add)
 
     def max_nbytes(self, n: int, dtype: str = "float32") -> int:
         bs = self.bucket_size

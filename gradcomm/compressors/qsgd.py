@@ -26,7 +26,7 @@ import numpy as np
 
 from . import _kernels
 from .base import (Compressor, Payload, Reader, as_float32, as_input, dtype_code, make_out,
-                   payload_nbytes, positive_int, reuse, seed_words)
+                   need_out, payload_nbytes, positive_int, reuse, seed_words)
 from .int8 import MAX_BUCKET, bucket_option
 from ..errors import ConfigError, PayloadError
 
@@ -69,7 +69,10 @@ class QSGDCompressor(Compressor):
         return Payload(self.name, {"n": n, "dt": dtype_code(x.dtype), "s": s, "bs": bs},
                        {"norm": norm, "q": q})
 
-    def decompress(self, payload: Payload, out: np.ndarray | None = None) -> np.ndarray:
+    def decompress(self, payload: Payload, out: np.ndarray | None = None,
+                   add: bool = False) -> np.ndarray:
+        """Decode into ``out`` (new if None); ``add``: ``out = decoded + out``."""
+        need_out(add, out, self.name)
         r = Reader(payload, self.name, ("n", "dt", "s", "bs"), ("norm", "q"))
         dt, s, bs = r.dtype(), r.int("s", 1, MAX_LEVELS), r.int("bs", 8, MAX_BUCKET)
         if bs % 8:
@@ -81,9 +84,9 @@ class QSGDCompressor(Compressor):
         out = make_out(out, n, dt)
         k = _kernels.for_size(n)
         tmp = _kernels.f32_target(out)
-        if k.signlevel_decode(q, n, bs, s, bits, norm, tmp):
+        if k.signlevel_decode(q, n, bs, s, bits, norm, tmp, add and tmp is out):
             raise PayloadError(f"qsgd payload: a code's level exceeds s={s}")
-        return _kernels.f32_finish(tmp, out, k)
+        return _kernels.f32_finish(tmp, out, k, add)
 
     def max_nbytes(self, n: int, dtype: str = "float32") -> int:
         s, bs = self.levels, self.bucket_size

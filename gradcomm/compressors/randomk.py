@@ -23,8 +23,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import _kernels
-from .base import (Compressor, Payload, Reader, as_input, dtype_code, make_out, payload_nbytes,
-                   reuse, seed_words)
+from .base import (Compressor, Payload, Reader, as_input, dtype_code, make_out, need_out,
+                   payload_nbytes, reuse, seed_words)
 from .topk import k_of, k_options
 from ..errors import PayloadError
 
@@ -75,13 +75,20 @@ class RandomKCompressor(Compressor):
             raise PayloadError(f"randomk payload: key {key!r} is not four uint32 words")
         return n, dt, tuple(key), r.buffer("v", dt.name, k)
 
-    def decompress(self, payload: Payload, out: np.ndarray | None = None) -> np.ndarray:
-        return self.decompress_sum([payload], out)
+    def decompress(self, payload: Payload, out: np.ndarray | None = None,
+                   add: bool = False) -> np.ndarray:
+        """Decode into ``out`` (new if None); ``add``: scatter-add into ``out`` as it is."""
+        need_out(add, out, self.name)
+        return self._sum([payload], out, add)
 
     def decompress_sum(self, payloads: Sequence[Payload], out: np.ndarray | None = None
                        ) -> np.ndarray:
         """Sum of the decoded payloads; with one shared key the values are added first and
         scattered once."""
+        return self._sum(payloads, out, False)
+
+    def _sum(self, payloads: Sequence[Payload], out: np.ndarray | None, add: bool
+             ) -> np.ndarray:
         if not payloads:
             raise PayloadError(f"{self.name}: no payloads to decode")
         parts = [self._read(p) for p in payloads]
@@ -89,7 +96,7 @@ class RandomKCompressor(Compressor):
         if any(p[:2] != (n, dt) for p in parts):
             raise PayloadError(f"{self.name} payloads disagree on count or dtype: "
                                f"{sorted({(p[0], p[1].name) for p in parts})}")
-        out = make_out(out, n, dt, zero=True)
+        out = make_out(out, n, dt, zero=not add)
         k = _kernels.for_size(n)
         groups: dict[tuple[tuple[int, ...], int], np.ndarray] = {}
         for _, _, key, vals in parts:       # payloads with one key and k share positions

@@ -22,7 +22,7 @@ import numpy as np
 
 from . import _kernels
 from .base import (Compressor, Payload, Reader, as_float32, as_input, dtype_code, make_out,
-                   payload_nbytes, reuse, seed_words)
+                   need_out, payload_nbytes, reuse, seed_words)
 from .int8 import MAX_BUCKET, bucket_option
 from ..errors import PayloadError
 
@@ -50,7 +50,10 @@ class TernGradCompressor(Compressor):
         return Payload(self.name, {"n": n, "dt": dtype_code(x.dtype), "bs": bs},
                        {"scale": scale, "q": q})
 
-    def decompress(self, payload: Payload, out: np.ndarray | None = None) -> np.ndarray:
+    def decompress(self, payload: Payload, out: np.ndarray | None = None,
+                   add: bool = False) -> np.ndarray:
+        """Decode into ``out`` (new if None); ``add``: ``out = decoded + out``."""
+        need_out(add, out, self.name)
         r = Reader(payload, self.name, ("n", "dt", "bs"), ("scale", "q"))
         dt, bs = r.dtype(), r.int("bs", 8, MAX_BUCKET)
         if bs % 8:
@@ -61,8 +64,9 @@ class TernGradCompressor(Compressor):
         out = make_out(out, n, dt)
         k = _kernels.for_size(n)
         tmp = _kernels.f32_target(out)
-        k.signlevel_decode(q, n, bs, 1, 2, scale, tmp)     # every 2-bit code is valid
-        return _kernels.f32_finish(tmp, out, k)
+        k.signlevel_decode(q, n, bs, 1, 2, scale, tmp,     # every 2-bit code is valid
+                           add and tmp is out)
+        return _kernels.f32_finish(tmp, out, k, add)
 
     def max_nbytes(self, n: int, dtype: str = "float32") -> int:
         bs = self.bucket_size

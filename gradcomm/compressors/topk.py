@@ -26,8 +26,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import _kernels
-from .base import (Compressor, Payload, Reader, as_input, dtype_code, make_out, payload_nbytes,
-                   reuse)
+from .base import (Compressor, Payload, Reader, as_input, dtype_code, make_out, need_out,
+                   payload_nbytes, reuse)
 from ..errors import ConfigError, PayloadError
 
 
@@ -96,12 +96,19 @@ class TopKCompressor(Compressor):
         k = r.int("k", 0, n)
         return n, dt, r.buffer("i", index_dtype(n), k), r.buffer("v", dt.name, k)
 
-    def decompress(self, payload: Payload, out: np.ndarray | None = None) -> np.ndarray:
-        return self.decompress_sum([payload], out)
+    def decompress(self, payload: Payload, out: np.ndarray | None = None,
+                   add: bool = False) -> np.ndarray:
+        """Decode into ``out`` (new if None); ``add``: scatter-add into ``out`` as it is."""
+        need_out(add, out, self.name)
+        return self._sum([payload], out, add)
 
     def decompress_sum(self, payloads: Sequence[Payload], out: np.ndarray | None = None
                        ) -> np.ndarray:
         """Scatter-add of every payload into one zeroed output (in payload order)."""
+        return self._sum(payloads, out, False)
+
+    def _sum(self, payloads: Sequence[Payload], out: np.ndarray | None, add: bool
+             ) -> np.ndarray:
         if not payloads:
             raise PayloadError(f"{self.name}: no payloads to decode")
         parts = [self.to_sparse(p) for p in payloads]
@@ -109,10 +116,10 @@ class TopKCompressor(Compressor):
         if any(p[:2] != (n, dt) for p in parts):
             raise PayloadError(f"{self.name} payloads disagree on count or dtype: "
                                f"{sorted({(p[0], p[1].name) for p in parts})}")
-        out = make_out(out, n, dt, zero=True)
+        out = make_out(out, n, dt, zero=not add)
         k = _kernels.for_size(n)
         for j, (_, _, idx, vals) in enumerate(parts):
-            if k.scatter(out, idx, vals, j > 0):
+            if k.scatter(out, idx, vals, add or j > 0):
                 raise PayloadError(f"{self.name} payload: indices out of 0..{n - 1} or not "
                                    "strictly increasing")
         return out

@@ -72,12 +72,21 @@ def f32_target(out):
     return out if out.dtype == np.float32 else np.empty(out.size, np.float32)
 
 
-def f32_finish(tmp, out, k: ModuleType):
-    """Round the float32 ``tmp`` into ``out`` (float16 through ``k``'s canonical cast)."""
+def f32_finish(tmp, out, k: ModuleType, add: bool = False):
+    """Round the float32 ``tmp`` into ``out`` (float16 through ``k``'s canonical cast);
+    with ``add``, ``out = rounded + out`` instead (a float32 ``out`` is the kernel's own
+    target: its kernel already added)."""
     import numpy as np
     if tmp is not out:
         if out.dtype == np.float16:
-            k.f32_to_f16(tmp, out.view(np.uint16))
+            if add:
+                h = np.empty(out.size, np.uint16)
+                k.f32_to_f16(tmp, h)
+                np.add(h.view(np.float16), out, out=out)
+            else:
+                k.f32_to_f16(tmp, out.view(np.uint16))
+        elif add:
+            np.add(tmp, out, out=out)
         else:
             out[...] = tmp
     return out

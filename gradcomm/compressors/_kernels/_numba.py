@@ -25,6 +25,8 @@ _F32_NAN = np.float32(np.nan)
 _KEY_PINF = np.int32(0x7F800000)
 _KEY_NINF = np.int32(-0x7F800001)
 _FLT_MAX = float(np.finfo(np.float32).max)
+#: the canonical quiet NaNs, +NaN and -NaN (indexed by the sign bit)
+_NANS = np.array([0x7FC00000, 0xFFC00000], np.uint32).view(np.float32)
 LANES = 64
 _JIT = dict(cache=True, nogil=True, error_model="numpy")
 
@@ -230,6 +232,16 @@ def _f16_to_f32(h, out):
             ob[i] = np.uint32(0xFFC00000) if v & np.uint16(0x8000) else np.uint32(0x7FC00000)
 
 
+@njit(**_JIT)
+def _f16_to_f32_add(h, out):
+    for i in range(h.size):
+        v = h[i]
+        f = _f16_bits_to_f32(v)
+        if f != f:
+            f = _NANS[v >> np.uint16(15)]
+        out[i] = f + out[i]
+
+
 def _probe_f16() -> bool:
     """True if LLVM lowers the half casts here (a CPU without F16C needs a libcall)."""
     try:
@@ -256,14 +268,15 @@ def f32_to_f16(x, out):
         _numpy.f32_to_f16(x, out)
 
 
-def f16_to_f32(h, out):
+def f16_to_f32(h, out, add=False):
+    """``out = widen(h)`` (``out = widen(h) + out`` with ``add``)."""
     if not _F16_OK:
         _F16_OK.append(_probe_f16())
     if _F16_OK[0]:
-        _f16_to_f32(h, out)
+        (_f16_to_f32_add if add else _f16_to_f32)(h, out)
     else:                                                # pragma: no cover
         from . import _numpy
-        _numpy.f16_to_f32(h, out)
+        _numpy.f16_to_f32(h, out, add)
 
 
 @njit(**_JIT)
@@ -279,10 +292,24 @@ def f32_to_bf16(x, out):
 
 
 @njit(**_JIT)
-def bf16_to_f32(h, out):
+def _bf16_to_f32(h, out):
     ob = out.view(np.uint32)
     for i in range(h.size):
         ob[i] = np.uint32(h[i]) << np.uint32(16)
+
+
+@njit(**_JIT)
+def _bf16_to_f32_add(h, out):
+    one = np.empty(1, np.uint32)
+    f = one.view(np.float32)
+    for i in range(h.size):
+        one[0] = np.uint32(h[i]) << np.uint32(16)
+        out[i] = f[0] + out[i]
+
+
+def bf16_to_f32(h, out, add=False):
+    """``out = widen(h)`` (``out = widen(h) + out`` with ``add``)."""
+    (_bf16_to_f32_add if add else _bf16_to_f32)(h, out)
 
 
 # --- bucket statistics ------------------------------------------------------------------
@@ -363,7 +390,7 @@ def minmax_encode(x, bs, bits, stochastic, key, lo_out, unit_out, packed):
 
 
 @njit(**_JIT)
-def _minmax_decode(packed, n, bs, bits, lo, unit, out):
+def _minmax_decode(packed, n, bs, bits, lo, unit, out, add):
     c = np.empty(min(bs, n), np.uint8)
     for b in range((n + bs - 1) // bs):
         s = b * bs
@@ -371,18 +398,25 @@ def _minmax_decode(packed, n, bs, bits, lo, unit, out):
         o = out[s:s + m]
         lb, ub = lo[b], unit[b]
         if bits == 8:
-            p = packed[s:s + m]
-            for i in range(m):
-                o[i] = lb + np.float32(p[i]) * ub
+            _dequantize(packed[s:s + m], m, lb, ub, o, add)
         else:
             _unpack_into(packed[(s // 8) * bits:], m, bits, c)
-            for i in range(m):
-                o[i] = lb + np.float32(c[i]) * ub
+            _dequantize(c, m, lb, ub, o, add)
     return 0
 
 
-def minmax_decode(packed, n, bs, bits, lo, unit, out):
-    return _minmax_decode(packed, n, bs, bits, lo, unit, out) if n else 0
+@njit(inline="always", **_JIT)
+def _dequantize(p, m, lb, ub, o, add):
+    if add:
+        for i in range(m):
+            o[i] = (lb + np.float32(p[i]) * ub) + o[i]
+    else:
+        for i in range(m):
+            o[i] = lb + np.float32(p[i]) * ub
+
+
+def minmax_decode(packed, n, bs, bits, lo, unit, out, add=False):
+    return _minmax_decode(packed, n, bs, bits, lo, unit, out, add) if n else 0
 
 
 # --- int8 with a fixed, shared scale ----------------------------------------------------------
@@ -418,7 +452,7 @@ def fixed_encode(x, bits, scale, stochastic, key, packed):
 
 
 @njit(**_JIT)
-def _fixed_decode(packed, n, bits, scale, out):
+def _fixed_decode(packed, n, bits, scale, out, add):
     L = (1 << (bits - 1)) - 1
     step = np.float32(scale / L)
     c = np.empty(_FIXED_BLOCK, np.uint8)
@@ -426,14 +460,19 @@ def _fixed_decode(packed, n, bits, scale, out):
         m = min(_FIXED_BLOCK, n - s)
         _unpack_into(packed[(s // 8) * bits:], m, bits, c)
         o = out[s:s + m]
-        for i in range(m):
-            v = (np.float32(c[i]) - np.float32(L)) * step
-            o[i] = _F32_NAN if c[i] == 2 * L + 1 else v
+        if add:
+            for i in range(m):
+                v = (np.float32(c[i]) - np.float32(L)) * step
+                o[i] = (_F32_NAN if c[i] == 2 * L + 1 else v) + o[i]
+        else:
+            for i in range(m):
+                v = (np.float32(c[i]) - np.float32(L)) * step
+                o[i] = _F32_NAN if c[i] == 2 * L + 1 else v
     return 0
 
 
-def fixed_decode(packed, n, bits, scale, out):
-    return _fixed_decode(packed, n, bits, scale, out) if n else 0
+def fixed_decode(packed, n, bits, scale, out, add=False):
+    return _fixed_decode(packed, n, bits, scale, out, add) if n else 0
 
 
 # --- qsgd / terngrad -----------------------------------------------------------------------
@@ -496,7 +535,7 @@ def signlevel_encode(x, bs, s, bits, l2, key, scale_out, packed):
 
 
 @njit(**_JIT)
-def _signlevel_decode(packed, n, bs, s_, bits, scale, out):
+def _signlevel_decode(packed, n, bs, s_, bits, scale, out, add):
     c = np.empty(min(bs, n), np.uint8)
     lmask = np.uint8((1 << (bits - 1)) - 1)
     sbit = np.uint8(1 << (bits - 1))
@@ -510,13 +549,19 @@ def _signlevel_decode(packed, n, bs, s_, bits, scale, out):
         for i in range(m):
             lv = c[i] & lmask
             nbad += lv > s_
-            v = np.float32(lv) * unit
-            o[i] = -v if (c[i] & sbit) else v
+        if add:
+            for i in range(m):
+                v = np.float32(c[i] & lmask) * unit
+                o[i] = (-v if (c[i] & sbit) else v) + o[i]
+        else:
+            for i in range(m):
+                v = np.float32(c[i] & lmask) * unit
+                o[i] = -v if (c[i] & sbit) else v
     return nbad
 
 
-def signlevel_decode(packed, n, bs, s, bits, scale, out):
-    return int(_signlevel_decode(packed, n, bs, s, bits, scale, out)) if n else 0
+def signlevel_decode(packed, n, bs, s, bits, scale, out, add=False):
+    return int(_signlevel_decode(packed, n, bs, s, bits, scale, out, add)) if n else 0
 
 
 # --- onebit ----------------------------------------------------------------------------------
@@ -572,7 +617,7 @@ def onebit_encode(x, bs, pos_out, neg_out, packed):
 
 
 @njit(**_JIT)
-def _onebit_decode(packed, n, bs, pos, neg, out):
+def _onebit_decode(packed, n, bs, pos, neg, out, add):
     for b in range((n + bs - 1) // bs):
         s = b * bs
         m = min(bs, n - s)
@@ -580,17 +625,25 @@ def _onebit_decode(packed, n, bs, pos, neg, out):
         o = out[s:s + m]
         pb, nb_ = pos[b], neg[b]
         full = m // 8
-        for t in range(full):
-            byte = p[t]
-            for j in range(8):
-                o[8 * t + j] = pb if (byte >> np.uint8(j)) & np.uint8(1) else nb_
+        if add:
+            for t in range(full):
+                byte = p[t]
+                for j in range(8):
+                    o[8 * t + j] = (pb if (byte >> np.uint8(j)) & np.uint8(1) else nb_) + \
+                        o[8 * t + j]
+        else:
+            for t in range(full):
+                byte = p[t]
+                for j in range(8):
+                    o[8 * t + j] = pb if (byte >> np.uint8(j)) & np.uint8(1) else nb_
         for i in range(8 * full, m):
-            o[i] = pb if (p[i >> 3] >> np.uint8(i & 7)) & np.uint8(1) else nb_
+            v = pb if (p[i >> 3] >> np.uint8(i & 7)) & np.uint8(1) else nb_
+            o[i] = v + o[i] if add else v
     return 0
 
 
-def onebit_decode(packed, n, bs, pos, neg, out):
-    return _onebit_decode(packed, n, bs, pos, neg, out) if n else 0
+def onebit_decode(packed, n, bs, pos, neg, out, add=False):
+    return _onebit_decode(packed, n, bs, pos, neg, out, add) if n else 0
 
 
 # --- topk / randomk ------------------------------------------------------------------------

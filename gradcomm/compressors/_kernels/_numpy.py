@@ -223,8 +223,15 @@ def f32_to_f16(x: np.ndarray, out: np.ndarray) -> None:
 
 
 @_quiet
-def f16_to_f32(h: np.ndarray, out: np.ndarray) -> None:
-    """Widen float16 bits to float32 (exact; NaN becomes the canonical quiet NaN)."""
+def f16_to_f32(h: np.ndarray, out: np.ndarray, add: bool = False) -> None:
+    """Widen float16 bits to float32 (exact; NaN becomes the canonical quiet NaN);
+    ``add``: ``out = widen(h) + out``."""
+    if add:
+        for s, m in _chunks(h.size, 8):
+            tmp = np.empty(m, np.float32)
+            f16_to_f32(h[s:s + m], tmp)
+            np.add(tmp, out[s:s + m], out=out[s:s + m])
+        return
     out[...] = h.view(np.float16)
     nan = (h & np.uint16(0x7C00)) == 0x7C00
     nan &= (h & np.uint16(0x3FF)) != 0
@@ -242,7 +249,14 @@ def f32_to_bf16(x: np.ndarray, out: np.ndarray) -> None:
     out[...] = r
 
 
-def bf16_to_f32(h: np.ndarray, out: np.ndarray) -> None:
+@_quiet
+def bf16_to_f32(h: np.ndarray, out: np.ndarray, add: bool = False) -> None:
+    """Widen bfloat16 bits to float32 (exact); ``add``: ``out = widen(h) + out``."""
+    if add:
+        for s, m in _chunks(h.size, 8):
+            wide = (h[s:s + m].astype(np.uint32) << 16).view(np.float32)
+            np.add(wide, out[s:s + m], out=out[s:s + m])
+        return
     out.view(np.uint32)[...] = h.astype(np.uint32) << 16
 
 
@@ -276,11 +290,19 @@ def _minmax_encode(x: np.ndarray, start: int, bs: int, bits: int, stochastic: bo
     pack(q.astype(np.uint8), bits, packed)
 
 
+def _put(v: np.ndarray, out: np.ndarray, add: bool) -> None:
+    """``out = v`` or, with ``add``, ``out = v + out``."""
+    if add:
+        np.add(v, out, out=out)
+    else:
+        out[...] = v
+
+
 @_quiet
 def _minmax_decode(packed: np.ndarray, n: int, bs: int, bits: int, lo: np.ndarray,
-                   unit: np.ndarray, out: np.ndarray) -> int:
+                   unit: np.ndarray, out: np.ndarray, add: bool = False) -> int:
     c = unpack(packed, n, bits).astype(np.float32)
-    out[...] = _per_elem(lo, n, bs) + c * _per_elem(unit, n, bs)
+    _put(_per_elem(lo, n, bs) + c * _per_elem(unit, n, bs), out, add)
     return 0
 
 
@@ -301,14 +323,14 @@ def _fixed_encode(x: np.ndarray, start: int, bits: int, scale: float, stochastic
 
 @_quiet
 def _fixed_decode(packed: np.ndarray, n: int, bits: int, scale: float,
-                  out: np.ndarray) -> int:
+                  out: np.ndarray, add: bool = False) -> int:
     """Returns the number of invalid codes (above 2L + 1 cannot occur; none are invalid)."""
     L = (1 << (bits - 1)) - 1
     c = unpack(packed, n, bits)
     step = np.float32(scale / L)
     v = (c.astype(np.float32) - np.float32(L)) * step
     v[c == 2 * L + 1] = np.nan
-    out[...] = v
+    _put(v, out, add)
     return 0
 
 
@@ -344,13 +366,13 @@ def _signlevel_encode(x: np.ndarray, start: int, bs: int, s: int, bits: int, l2:
 
 @_quiet
 def _signlevel_decode(packed: np.ndarray, n: int, bs: int, s: int, bits: int,
-                      scale: np.ndarray, out: np.ndarray) -> int:
+                      scale: np.ndarray, out: np.ndarray, add: bool = False) -> int:
     """Returns the number of codes whose level exceeds ``s`` (a corrupt payload)."""
     c = unpack(packed, n, bits)
     level = c & np.uint8((1 << (bits - 1)) - 1)
     unit = (scale.astype(np.float64) / s).astype(np.float32)
     v = level.astype(np.float32) * _per_elem(unit, n, bs)
-    out[...] = np.where(c >> np.uint8(bits - 1) != 0, -v, v)
+    _put(np.where(c >> np.uint8(bits - 1) != 0, -v, v), out, add)
     return int(np.count_nonzero(level > s))
 
 
@@ -380,9 +402,9 @@ def _onebit_encode(x: np.ndarray, start: int, bs: int, pos_out: np.ndarray,
 
 @_quiet
 def _onebit_decode(packed: np.ndarray, n: int, bs: int, pos: np.ndarray, neg: np.ndarray,
-                   out: np.ndarray) -> int:
+                   out: np.ndarray, add: bool = False) -> int:
     bit = unpack(packed, n, 1).astype(bool)
-    out[...] = np.where(bit, _per_elem(pos, n, bs), _per_elem(neg, n, bs))
+    _put(np.where(bit, _per_elem(pos, n, bs), _per_elem(neg, n, bs)), out, add)
     return 0
 
 
@@ -395,11 +417,11 @@ def minmax_encode(x, bs, bits, stochastic, key, lo_out, unit_out, packed) -> Non
                        unit_out[b:b + nb], packed[p:p + (m * bits + 7) // 8])
 
 
-def minmax_decode(packed, n, bs, bits, lo, unit, out) -> int:
+def minmax_decode(packed, n, bs, bits, lo, unit, out, add=False) -> int:
     for s, m in _chunks(n, bs):
         b, nb, p = s // bs, -(-m // bs), s * bits // 8
         _minmax_decode(packed[p:p + (m * bits + 7) // 8], m, bs, bits, lo[b:b + nb],
-                       unit[b:b + nb], out[s:s + m])
+                       unit[b:b + nb], out[s:s + m], add)
     return 0
 
 
@@ -410,10 +432,10 @@ def fixed_encode(x, bits, scale, stochastic, key, packed) -> None:
                       packed[p:p + (m * bits + 7) // 8])
 
 
-def fixed_decode(packed, n, bits, scale, out) -> int:
+def fixed_decode(packed, n, bits, scale, out, add=False) -> int:
     for s, m in _chunks(n, 8):
         p = s * bits // 8
-        _fixed_decode(packed[p:p + (m * bits + 7) // 8], m, bits, scale, out[s:s + m])
+        _fixed_decode(packed[p:p + (m * bits + 7) // 8], m, bits, scale, out[s:s + m], add)
     return 0
 
 
@@ -424,12 +446,12 @@ def signlevel_encode(x, bs, s_, bits, l2, key, scale_out, packed) -> None:
                           packed[p:p + (m * bits + 7) // 8])
 
 
-def signlevel_decode(packed, n, bs, s_, bits, scale, out) -> int:
+def signlevel_decode(packed, n, bs, s_, bits, scale, out, add=False) -> int:
     bad = 0
     for s, m in _chunks(n, bs):
         b, nb, p = s // bs, -(-m // bs), s * bits // 8
         bad += _signlevel_decode(packed[p:p + (m * bits + 7) // 8], m, bs, s_, bits,
-                                 scale[b:b + nb], out[s:s + m])
+                                 scale[b:b + nb], out[s:s + m], add)
     return bad
 
 
@@ -440,11 +462,11 @@ def onebit_encode(x, bs, pos_out, neg_out, packed) -> None:
                        packed[s // 8:s // 8 + (m + 7) // 8])
 
 
-def onebit_decode(packed, n, bs, pos, neg, out) -> int:
+def onebit_decode(packed, n, bs, pos, neg, out, add=False) -> int:
     for s, m in _chunks(n, bs):
         b, nb = s // bs, -(-m // bs)
         _onebit_decode(packed[s // 8:s // 8 + (m + 7) // 8], m, bs, pos[b:b + nb],
-                       neg[b:b + nb], out[s:s + m])
+                       neg[b:b + nb], out[s:s + m], add)
     return 0
 
 

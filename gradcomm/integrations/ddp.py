@@ -34,6 +34,15 @@ hop residual that several ranks hold identically (recursive doubling rounds a re
 partial sum on every rank of a group; detected by comparing bytes across ranks) is owed
 once, so each copy contributes ``1/copies``. No error mass is dropped.
 
+**PowerSGD** (``make_comm_hook("powersgd", rank=r)``) compresses each parameter on its
+own: the hook records every parameter's shape (``state.residuals.shapes``; a name mapped
+to ``None`` there keeps the flat near-square layout), so a weight is viewed as
+``(shape[0], rest)`` as PyTorch's hook does, and 1-D parameters go uncompressed. Its
+warm-start ``Q`` is kept per parameter (``"<name>#q"``) and checkpointed. Its two
+rounds are dense sums, so it runs on every dense algorithm, ``"native"`` included (the
+process group's own allreduce; counted in ``stats["native_nbytes"]``); other lossy
+codecs refuse ``"native"``.
+
 **Checkpoints.** ``state.state_dict()`` is collective: call it on every rank (like a
 barrier); every rank then holds every rank's residuals (``rank0_only=True``: only rank 0
 does, the others get ``{}``), so a single ``torch.save`` on rank 0 is a complete
@@ -45,10 +54,13 @@ old rank's hop residuals are folded into its per-parameter residuals, and new ra
 are in units of the reduced sum (gradients are divided by ``p`` before they are
 added), so the total error mass ``sum_r e_r`` — what the ranks together still owe the
 model — is preserved whatever ``p'`` is (up to one float rounding per added element;
-DeepSpeed drops it). The state also stores the bucket layout of the last iteration and
-replays it in the first iteration after a load (DDP starts a new process with its
-initial layout and rebuilds only after one iteration), so a resumed run reduces the same
-groups as the unbroken one and, on CPU, ends with bitwise the same parameters.
+DeepSpeed drops it). Codec state kept per parameter (PowerSGD's warm-start ``Q``,
+``ranks[r]["extra"]``) is saved too; it is identical on every rank, so at ``p' != p``
+every new rank takes old rank 0's copy. The state also stores the bucket layout of the
+last iteration and replays it in the first iteration after a load (DDP starts a new
+process with its initial layout and rebuilds only after one iteration), so a resumed run
+reduces the same groups as the unbroken one and, on CPU, ends with bitwise the same
+parameters.
 
 **Parity.** Gloo sums in its own order; ``make_comm_hook(None)`` (``"auto"``) and
 ``algorithm="native"`` run gloo's allreduce on the same scaled bucket, hence are bitwise
@@ -126,8 +138,6 @@ class CommHookState:
                  seed: int = 0, timeout: float | None = None, **options: Any) -> None:
         from .. import compressors
 
-        from ..collectives.compressed import COMPRESSED_ALGORITHMS
-
         if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
             raise ConfigError(f"start_iter must be an int >= 0, got {start_iter!r}")
         if compressor is None and options:
@@ -135,12 +145,13 @@ class CommHookState:
                               "a compressor)")
         self.compressor = None if compressor is None else compressors.get(compressor, **options)
         lossy = self.compressor is not None and self.compressor.lossy
-        known = COMPRESSED_ALGORITHMS if lossy else ALGORITHMS
+        known = _codec_algorithms(self.compressor) if lossy else ALGORITHMS
         if algorithm not in known:
             if algorithm == "native" and lossy:
                 raise UnsupportedError(f"algorithm='native' cannot carry {self.compressor.name!r}"
-                                       f" payloads; with a compressor use one of "
-                                       f"{', '.join(COMPRESSED_ALGORITHMS)}")
+                                       " payloads (only codecs whose rounds are dense sums "
+                                       "can: powersgd); with this compressor use one of "
+                                       f"{', '.join(known)}")
             raise ConfigError(f"unknown algorithm {algorithm!r}; known: {', '.join(known)}")
         self.algorithm, self.start_iter, self.seed = algorithm, start_iter, int(seed)
         self.error_feedback = bool(error_feedback)
@@ -357,10 +368,23 @@ class CommHookState:
         from ..collectives.compressed import compressed_allreduce
 
         unit = self.residuals.begin(keys, lengths, x)
+        if self.algorithm == "native":                  # PowerSGD's rounds, on the library
+            self.stats["native_nbytes"] += self._native_nbytes(x, unit)
         return compressed_allreduce(self.transport, x, _array.meta_of(x).dtype, op="sum",
                                     algorithm=self.algorithm, compressor=self.compressor,
                                     check=check, seed=self.seed, residuals=self.residuals,
                                     key=unit)
+
+    def _native_nbytes(self, x: np.ndarray, unit: str) -> int:
+        """Bytes PowerSGD will hand to the library's allreduce for ``x`` (both rounds)."""
+        from ..collectives.powersgd import parts_of, wire_values
+
+        c = self.compressor
+        if self.transport.size == 1 or not x.size:
+            return 0
+        if self.iter < getattr(c, "start_iter", 0):
+            return x.nbytes
+        return sum(wire_values(parts_of(x.size, unit, c, self.residuals))) * x.itemsize
 
     # -- checkpoints ---------------------------------------------------------------------
     def state_dict(self, *, rank0_only: bool = False) -> dict[str, Any]:
@@ -391,8 +415,9 @@ class CommHookState:
 
         ranks = []
         for r, b in enumerate(blocks):
-            arrays, meta = _unpack_local(b, r)
-            ranks.append({"residuals": {k: torch.from_numpy(v) for k, v in arrays.items()},
+            groups, meta = _unpack_local(b, r)
+            ranks.append({**{g: {k: torch.from_numpy(v) for k, v in arrays.items()}
+                             for g, arrays in groups.items()},
                           "units": meta["units"], "offsets": meta["offsets"]})
         c = self.compressor
         return {
@@ -492,6 +517,10 @@ def comm_hook(state: CommHookState, bucket):  # type: ignore[no-untyped-def]
         params = bucket.parameters()
         keys = state._keys(params)
         lengths = [int(p.numel()) for p in params]
+        shapes = state.residuals.shapes              # matrix views for PowerSGD
+        for k, p in zip(keys, params):
+            if k not in shapes:
+                shapes[k] = tuple(p.shape)
         buf = bucket.buffer()
         if sum(lengths) != buf.numel():
             raise ConfigError(f"bucket {bucket.index()} holds {buf.numel()} elements but its "
@@ -517,6 +546,10 @@ class _Residuals(ErrorFeedback):
     each lies in its unit, so that when the unit disappears (bucket rebuild, another
     rank count) its hop residuals are folded into the parameters' residuals, losing
     nothing. Seeds follow the hook's iteration (``step``), identical on every rank.
+    Stateful codecs keep per-parameter *extra* state here too (PowerSGD's warm-start
+    ``"<name>#q"``, the same bytes on every rank), checkpointed with the residuals.
+    ``shapes`` maps parameter names to their shapes (the hook records them), so that
+    PowerSGD views each parameter as PyTorch's hook does.
     """
 
     def __init__(self, enabled: bool, clock: Callable[[], int]) -> None:
@@ -524,6 +557,7 @@ class _Residuals(ErrorFeedback):
         self.clock = clock
         self.units: dict[str, tuple[list[str], list[int]]] = {}
         self.offsets: dict[str, int] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
         self._segments: list[tuple[str, int, int]] = []
         self._used: set[str] = set()
 
@@ -628,20 +662,26 @@ class _Residuals(ErrorFeedback):
                     dst = self.residual(name, lengths[i], e.dtype)
                     dst[lo - starts[i]:hi - starts[i]] += e[lo - off:hi - off]
 
-    def local_state(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    def local_state(self) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, Any]]:
+        """``({"residuals": ..., "extra": ...}, {"units": ..., "offsets": ...})``."""
         units = {u: {"names": n, "lengths": ls} for u, (n, ls) in self.units.items()}
-        return dict(self._residuals), {"units": units, "offsets": dict(self.offsets)}
+        return ({"residuals": dict(self._residuals), "extra": dict(self._extras)},
+                {"units": units, "offsets": dict(self.offsets)})
 
     def restore(self, other: _Residuals) -> None:
+        """Take ``other``'s residuals, extra state, units and offsets (not its shapes)."""
         self._residuals, self.units, self.offsets = other._residuals, other.units, other.offsets
+        self._extras = other._extras
         self._used = set(self.units)     # the replayed first iteration uses them again
 
     def copy(self) -> _Residuals:
-        """An independent copy (arrays, units, offsets)."""
+        """An independent copy (arrays, extra state, units, offsets, shapes)."""
         out = type(self)(self.enabled, self.clock)
         out._residuals = {k: v.copy() for k, v in self._residuals.items()}
+        out._extras = {k: v.copy() for k, v in self._extras.items()}
         out.units = {k: (list(n), list(ls)) for k, (n, ls) in self.units.items()}
         out.offsets = dict(self.offsets)
+        out.shapes = dict(self.shapes)
         return out
 
     @classmethod
@@ -654,6 +694,11 @@ class _Residuals(ErrorFeedback):
                 if arr.dtype.kind != "f":
                     raise ConfigError(f"residual {k!r} of rank {rank} is not floating")
                 r._residuals[str(k)] = arr
+            for k, v in entry.get("extra", {}).items():      # absent in older checkpoints
+                arr = np.array(_numpy(v), copy=True)
+                if arr.dtype.kind not in "fiu":
+                    raise ConfigError(f"extra state {k!r} of rank {rank} is not numeric")
+                r._extras[str(k)] = arr
             for u, d in entry["units"].items():
                 r.units[str(u)] = ([str(n) for n in d["names"]], [int(n) for n in d["lengths"]])
             r.offsets = {str(k): int(v) for k, v in entry["offsets"].items()}
@@ -667,10 +712,14 @@ class _Residuals(ErrorFeedback):
 
         Hop residuals are folded into per-parameter residuals (divided by their number of
         identical copies among the saved ranks), then new rank ``rank`` sums the residuals
-        of the saved ranks ``r`` with ``r % p_new == rank``, in rank order.
+        of the saved ranks ``r`` with ``r % p_new == rank``, in rank order. Extra state
+        (PowerSGD's warm-start ``Q``) is the same on every saved rank: every new rank
+        takes saved rank 0's copy, so the new ranks agree too.
         """
         copies = _count_copies([part.digests(list(part.units)) for part in saved])
         out = cls(True, lambda: 0)
+        if saved:
+            out._extras = {k: v.copy() for k, v in saved[0]._extras.items()}
         for r, original in enumerate(saved):
             if r % p_new != rank:
                 continue
@@ -761,6 +810,18 @@ class _Replay:
                 fut.set_exception(exc)
 
 
+def _codec_algorithms(codec: Any) -> tuple[str, ...]:
+    """The algorithms a lossy codec composes with: PowerSGD's two rounds are dense sums,
+    so any dense algorithm (``native`` too); every other codec, the compressed ones."""
+    if codec.name == "powersgd":                   # routed as compressed_allreduce does
+        from ..collectives.powersgd import ALGORITHMS as POWERSGD_ALGORITHMS
+
+        return POWERSGD_ALGORITHMS
+    from ..collectives.compressed import COMPRESSED_ALGORITHMS
+
+    return COMPRESSED_ALGORITHMS
+
+
 def _work(q: queue.SimpleQueue[Callable[[], None] | None]) -> None:
     while True:
         task = q.get()
@@ -796,21 +857,26 @@ def _numpy(v: Any) -> np.ndarray:
     return v.detach().cpu().numpy().reshape(-1)
 
 
-# A rank's residuals travel as: uint64 header length, msgpack header {"arrays": [[name,
-# dtype, count], ...], "meta": {...}}, then the raw arrays in header order. No pickle.
+# A rank's residuals travel as: uint64 header length, msgpack header {"arrays": [[group,
+# name, dtype, count], ...], "meta": {...}}, then the raw arrays in header order. No pickle.
 _MAX_STATE_HEADER = 1 << 26
+#: array groups of a rank's state and the dtype kinds each may hold
+_GROUPS = {"residuals": "f", "extra": "fiu"}
 
 
-def _pack_local(arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> np.ndarray:
-    table = [[k, v.dtype.str, int(v.size)] for k, v in arrays.items()]
+def _pack_local(groups: Mapping[str, Mapping[str, np.ndarray]],
+                meta: Mapping[str, Any]) -> np.ndarray:
+    items = [(g, k, v) for g, arrays in groups.items() for k, v in arrays.items()]
+    table = [[g, k, v.dtype.str, int(v.size)] for g, k, v in items]
     hb = msgpack.packb({"arrays": table, "meta": dict(meta)}, use_bin_type=True)
     return np.concatenate([np.array([len(hb)], np.uint64).view(np.uint8),
                            np.frombuffer(hb, np.uint8),
                            *[np.ascontiguousarray(v).reshape(-1).view(np.uint8)
-                             for v in arrays.values()]])
+                             for _, _, v in items]])
 
 
-def _unpack_local(block: np.ndarray, rank: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+def _unpack_local(block: np.ndarray, rank: int
+                  ) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, Any]]:
     raw = np.ascontiguousarray(block).reshape(-1).view(np.uint8)
     bad = f"rank {rank}'s comm-hook state is corrupt"
     if raw.size < 8:
@@ -823,20 +889,23 @@ def _unpack_local(block: np.ndarray, rank: int) -> tuple[dict[str, np.ndarray], 
         table, meta = head["arrays"], head["meta"]
     except Exception as exc:
         raise PayloadError(f"{bad}: {exc}") from None
-    pos, arrays = 8 + n, {}
+    pos = 8 + n
+    groups: dict[str, dict[str, np.ndarray]] = {g: {} for g in _GROUPS}
     for entry in table:
         try:
-            name, dt, count = str(entry[0]), np.dtype(entry[1]), int(entry[2])
-        except (TypeError, ValueError, IndexError) as exc:
+            group, name = str(entry[0]), str(entry[1])
+            dt, count = np.dtype(entry[2]), int(entry[3])
+        except (TypeError, ValueError, IndexError, KeyError) as exc:
             raise PayloadError(f"{bad}: entry {entry!r}: {exc}") from None
         size = count * dt.itemsize
-        if dt.kind != "f" or count < 0 or pos + size > raw.size:
-            raise PayloadError(f"{bad}: entry {name!r}")
-        arrays[name] = raw[pos:pos + size].copy().view(dt)
+        if group not in _GROUPS or dt.kind not in _GROUPS[group] or count < 0 or \
+                pos + size > raw.size:
+            raise PayloadError(f"{bad}: entry {group}/{name} ({dt}, {count})")
+        groups[group][name] = raw[pos:pos + size].copy().view(dt)
         pos += size
     if pos != raw.size:
         raise PayloadError(f"{bad}: {raw.size - pos} trailing bytes")
-    return arrays, meta
+    return groups, meta
 
 
 def _gather_to_root(t: Transport, block: np.ndarray) -> list[np.ndarray]:

@@ -98,10 +98,12 @@ def test_arguments_are_validated_early():
             ddp.make_comm_hook(None, transport="carrier-pigeon")
         with pytest.raises(KeyError, match="unknown compressor"):
             ddp.make_comm_hook("nope", transport=t)
-        lossy = [n for n in gradcomm.compressors.names() if n != "none"]
-        if lossy:
-            with pytest.raises(UnsupportedError, match="native"):
-                ddp.make_comm_hook(lossy[0], algorithm="native", transport=t)
+        for name in gradcomm.compressors.names():
+            if name in ("none", "powersgd"):
+                continue
+            with pytest.raises(UnsupportedError, match="native.*powersgd"):
+                ddp.make_comm_hook(name, algorithm="native", transport=t)
+        ddp.make_comm_hook("powersgd", algorithm="native", transport=t)[0].close()
         state, hook = ddp.make_comm_hook(None, transport=t)
         assert hook is ddp.comm_hook and "rank=0/1" in repr(state)
         with pytest.raises(ConfigError, match="Module"):
@@ -117,6 +119,8 @@ def test_state_dict_round_trips_through_torch_save_weights_only():
     def fn(t):
         state, _ = ddp.make_comm_hook(None, transport=t)
         state.residuals.residual("w", 3, np.float32)[...] = [1, 2, 3]
+        state.residuals.set_extra("w#q", np.array([0.5, -1.0], np.float32))
+        state.residuals.set_extra("n", np.array([3], np.int64))
         state.iter = 7
         sd = state.state_dict()
         buf = io.BytesIO()
@@ -124,7 +128,8 @@ def test_state_dict_round_trips_through_torch_save_weights_only():
         loaded = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
         other, _ = ddp.make_comm_hook(None, transport=t)
         other.load_state_dict(loaded)
-        out = (other.iter, other.residuals._residuals["w"].tolist())
+        out = (other.iter, other.residuals._residuals["w"].tolist(),
+               {k: other.residuals.extra(k).tolist() for k in other.residuals.extra_names()})
         with pytest.raises(ConfigError, match="format"):
             other.load_state_dict({"format": "something else"})
         with pytest.raises(ConfigError, match="rank0_only"):
@@ -132,7 +137,7 @@ def test_state_dict_round_trips_through_torch_save_weights_only():
         state.close(), other.close()
         return out
 
-    assert one_rank(fn) == (7, [1.0, 2.0, 3.0])
+    assert one_rank(fn) == (7, [1.0, 2.0, 3.0], {"n": [3], "w#q": [0.5, -1.0]})
 
 
 def _res(named: dict, units=(), offsets=None) -> ddp._Residuals:
@@ -175,13 +180,22 @@ def test_redistribute_preserves_the_total_error_mass_at_any_rank_count():
 
 
 def test_packed_rank_state_is_validated():
-    block = ddp._pack_local({"a": np.arange(3, dtype=np.float32)}, {"units": {}, "offsets": {}})
-    arrays, meta = ddp._unpack_local(block, 0)
-    assert arrays["a"].tolist() == [0, 1, 2] and meta == {"units": {}, "offsets": {}}
+    meta = {"units": {}, "offsets": {}}
+    block = ddp._pack_local({"residuals": {"a": np.arange(3, dtype=np.float32)},
+                             "extra": {"a#q": np.arange(2, dtype=np.float64),
+                                       "n": np.array([5], np.int32)}}, meta)
+    groups, got = ddp._unpack_local(block, 0)
+    assert groups["residuals"]["a"].tolist() == [0, 1, 2] and got == meta
+    assert groups["extra"]["a#q"].dtype == np.float64 and groups["extra"]["n"].tolist() == [5]
     for bad in (block[:5], block[:-1], np.concatenate([block, block[:1]]),
                 np.concatenate([np.array([2 ** 40], np.uint64).view(np.uint8), block[8:]])):
         with pytest.raises(PayloadError):
             ddp._unpack_local(bad, 1)
+    for groups in ({"residuals": {"i": np.arange(2)}},            # integer residual
+                   {"other": {"x": np.zeros(1, np.float32)}},      # unknown group
+                   {"extra": {"o": np.array([b"x"])}}):            # not numeric
+        with pytest.raises(PayloadError, match="entry"):
+            ddp._unpack_local(ddp._pack_local(groups, meta), 2)
 
 
 
@@ -198,3 +212,102 @@ def test_replay_regroups_buckets_into_the_saved_layout_in_order():
     for u in units:
         done += rep.done(u)
     assert [f for f, _ in done] == [f1, f2] and rep.left() == []
+
+
+# -- PowerSGD through the hook, in-process (the gloo runs are in scripts/ddp_checks.py) -------
+SHAPES = {"w": (24, 16), "b": (24,), "v": (8, 30)}
+
+
+class _Bucket:
+    """What DDP hands the hook (a GradBucket): parameters, flat gradients, last or not."""
+
+    def __init__(self, params: list, buf) -> None:
+        self.params, self.buf = params, buf
+
+    def parameters(self):
+        return self.params
+
+    def buffer(self):
+        return self.buf
+
+    def index(self) -> int:
+        return 0
+
+    def is_last(self) -> bool:
+        return True
+
+
+def _psgd_model():
+    m = torch.nn.Module()
+    for name, shape in SHAPES.items():
+        m.register_parameter(name, torch.nn.Parameter(torch.zeros(shape)))
+    return m
+
+
+def _psgd_steps(state, model, rank: int, steps: range) -> list[bytes]:
+    """Run the hook on one bucket of every parameter per step; the reduced bytes."""
+    params = list(model.parameters())
+    out = []
+    for step in steps:
+        g = torch.Generator().manual_seed(100 * step + rank)
+        buf = torch.randn(sum(p.numel() for p in params), generator=g)
+        fut = ddp.comm_hook(state, _Bucket(params, buf))
+        out.append(fut.wait().numpy().tobytes())
+    return out
+
+
+def test_powersgd_hook_uses_shapes_runs_on_native_and_counts_its_bytes():
+    from gradcomm.collectives.powersgd import parts_of, wire_values
+
+    def fn(t, algorithm):
+        model = _psgd_model()
+        state, _ = ddp.make_comm_hook("powersgd", rank=2, algorithm=algorithm, transport=t,
+                                      model=model)
+        got = _psgd_steps(state, model, t.rank, range(3))
+        unit = next(iter(state.residuals.units))
+        wire = sum(wire_values(parts_of(sum(map(np.prod, SHAPES.values())), unit,
+                                        state.compressor, state.residuals)))
+        extras = {k: state.residuals.extra(k).size for k in state.residuals.extra_names()}
+        state.close()
+        return got, dict(state.residuals.shapes), extras, state.stats["native_nbytes"], wire
+
+    native, ring = run_ranks(2, lambda t: fn(t, "native"), timeout=60), \
+        run_ranks(2, lambda t: fn(t, "ring"), timeout=60)
+    assert native[0][0] == native[1][0] == ring[0][0]      # p = 2: fl(a + b) either way
+    _, shapes, extras, nbytes, wire = native[0]
+    assert shapes == SHAPES
+    assert extras == {"w#q": 2 * 16, "v#q": 2 * 30}         # (shape[0], rest) views; b plain
+    assert nbytes == 3 * wire * 4 and wire == 24 + 2 * (24 + 8) + 2 * (16 + 30)
+    assert ring[0][3] == 0
+
+
+def test_powersgd_hook_resumes_bitwise_and_at_other_rank_counts():
+    def run(t, load=None, steps=range(4)):
+        model = _psgd_model()
+        state, _ = ddp.make_comm_hook("powersgd", rank=2, algorithm="ring", transport=t,
+                                      model=model)
+        if load is not None:
+            state.load_state_dict(torch.load(io.BytesIO(load), weights_only=True))
+        got = _psgd_steps(state, model, t.rank, steps)
+        buf = io.BytesIO()
+        torch.save(state.state_dict(), buf)
+        q = {k: state.residuals.extra(k).tobytes() for k in state.residuals.extra_names()}
+        state.close()
+        return got, buf.getvalue(), q
+
+    unbroken = run_ranks(2, run, timeout=60)
+    first = run_ranks(2, lambda t: run(t, steps=range(2)), timeout=60)
+    resumed = run_ranks(2, lambda t: run(t, first[0][1], range(2, 4)), timeout=60)
+    for r in range(2):
+        assert resumed[r][0] == unbroken[r][0][2:], f"rank {r}"
+        assert resumed[r][2] == unbroken[r][2]
+    sd = torch.load(io.BytesIO(first[0][1]), weights_only=True)
+    assert sorted(sd["ranks"][1]["extra"]) == ["v#q", "w#q"]
+    saved = [ddp._Residuals.from_entry(e, r) for r, e in enumerate(sd["ranks"])]
+    for r in range(3):
+        moved = ddp._Residuals.redistribute(saved, 3, r)._extras
+        assert {k: v.tobytes() for k, v in moved.items()} == \
+            {k: v.tobytes() for k, v in saved[0]._extras.items()}
+    for p_new in (1, 3):                  # every new rank takes rank 0's (identical) Q
+        out = run_ranks(p_new, lambda t: run(t, first[0][1], range(2, 3)), timeout=60)
+        assert all(o[0] == out[0][0] for o in out) and all(o[2] == out[0][2] for o in out)

@@ -133,13 +133,15 @@ def check_warmup(start: int = 2) -> None:
 
 
 def check_compressors(steps: int = 6, algos: tuple[str, ...] = ("auto", "ring")) -> None:
-    """Every codec x some algorithms: training runs, parameters identical on every rank."""
+    """Every codec x some algorithms: training runs, parameters identical on every rank.
+    PowerSGD also on 'native' (its rounds are dense sums), with each weight viewed by its
+    shape (the hook records them) and one warm-start Q per compressed weight."""
     done = []
     steps = QUICK.get("steps", steps)
     for name in gradcomm.compressors.names():
         if QUICK and name not in QUICK["codecs"]:
             continue
-        for algo in algos:
+        for algo in algos + (("native",) if name == "powersgd" else ()):
             model, state = hooked(make_model(), name, algorithm=algo)
             opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
             first = last = None
@@ -153,6 +155,8 @@ def check_compressors(steps: int = 6, algos: tuple[str, ...] = ("auto", "ring"))
             if not (np.isfinite(last) and same_everywhere(flat_params(model))):
                 fail(f"compressor {name} {algo}: parameters differ across ranks or loss "
                      f"{last} not finite")
+            if name == "powersgd":
+                _check_powersgd_state(model, state, algo)
             done.append(f"{name}/{algo}: loss {first:.4f} -> {last:.4f}, "
                         f"{state.stats['bytes_sent']} B sent")
             state.close()
@@ -175,6 +179,23 @@ def check_compressors(steps: int = 6, algos: tuple[str, ...] = ("auto", "ring"))
         done.append(f"{codec}/{dt_name} model: loss {loss.item():.4f}")
         state.close()
     INFO["compressors"] = done
+
+
+def _check_powersgd_state(model: DDP, state, algo: str) -> None:
+    """Shapes recorded for every parameter; a Q for each weight worth compressing, sized by
+    its (shape[0], rest) view; factors sent on the process group's allreduce with
+    'native'."""
+    shapes = {n: tuple(q.shape) for n, q in model.module.named_parameters()}
+    views = {n: state.compressor.layout(int(np.prod(s)), s) for n, s in shapes.items()}
+    want = {f"{n}#q": v.r * v.cols for n, v in views.items() if v.r}
+    if [n for n, v in views.items() if v.r] != ["0.weight", "2.weight", "4.weight"]:
+        fail(f"powersgd/{algo}: unexpected compressed weights {views}")
+    got = {k: state.residuals.extra(k).size for k in state.residuals.extra_names()}
+    if state.residuals.shapes != shapes or got != want:
+        fail(f"powersgd/{algo}: shapes {state.residuals.shapes} (model {shapes}), "
+             f"warm starts {got} (expected {want})")
+    if algo == "native" and not state.stats["native_nbytes"]:
+        fail(f"powersgd/native: no bytes handed to the library's allreduce: {state.stats}")
 
 
 def _telescoping(model: DDP, state, steps: int, start: int, tin: dict, tout: dict,
@@ -252,7 +273,7 @@ def check_resume(k: int = 3) -> None:
     rank loads with weights_only=True), resume in fresh objects: bitwise equal to the
     unbroken run."""
     cases = [("topk", "auto"), ("topk", "ring"), ("qsgd", "recursive_doubling"),
-             ("onebit", "allgather"), ("int8", "rabenseifner")]
+             ("onebit", "allgather"), ("int8", "rabenseifner"), ("powersgd", "native")]
     names = gradcomm.compressors.names()
     for name, algo in cases:
         if name not in names:
@@ -334,7 +355,8 @@ def check_resize(steps: int = 3) -> None:
     p, r = dist.get_world_size(), dist.get_rank()
     assert p == 3, "check_resize needs 3 processes"
     sub = dist.new_group([0, 1])
-    cases = [("topk", "ring"), ("qsgd", "recursive_doubling"), ("onebit", "allgather")]
+    cases = [("topk", "ring"), ("qsgd", "recursive_doubling"), ("onebit", "allgather"),
+             ("powersgd", "tree")]
     for name, algo in cases:
         if name not in gradcomm.compressors.names():
             continue

@@ -58,7 +58,8 @@ def allreduce(x: Any, comm: Any = None, *, op: str = "sum", algorithm: str = "au
         from .collectives.compressed import compressed_allreduce
 
         buf = compressed_allreduce(t, buf, meta.dtype, op=op, algorithm=algorithm,
-                                   compressor=compressor or "none", check=check, **options)
+                                   compressor=compressor or "none", check=check,
+                                   **_with_shape(compressor, meta, options))
     return _array.from_device_flat(buf, meta)
 
 
@@ -84,6 +85,25 @@ def allreduce_(x: Any, comm: Any = None, **kwargs: Any) -> Any:
     return x
 
 
+def _with_shape(compressor: Any, meta: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` plus ``shape=`` the array's shape for codecs that view their input by
+    its shape (class attribute ``uses_shape``: powersgd) when it has 2+ dimensions; a
+    flat array keeps the codec's flat layout, and a caller's ``shape``/``shapes`` wins."""
+    if len(meta.shape) < 2 or "shape" in options or "shapes" in options:
+        return options
+    codec = compressor
+    if isinstance(compressor, str):
+        from . import compressors
+
+        try:
+            codec = compressors._load(compressor)      # the class: options checked later
+        except KeyError:
+            return options                             # unknown name: reported later
+    if not getattr(codec, "uses_shape", False):
+        return options
+    return {**options, "shape": meta.shape}
+
+
 class Allreduce:
     """A configured allreduce that keeps error-feedback state per key, checkpointable.
 
@@ -99,6 +119,11 @@ class Allreduce:
             QSGD with few levels: residuals would diverge).
         seed: seeds the stochastic codecs with ``(seed, step, crc32(key), rank)``.
         check: verify the arguments agree across ranks at every call.
+
+    Codecs that view their input by its shape (``uses_shape``: powersgd) get ``x``'s
+    shape when ``x`` has two or more dimensions (PowerSGD: the ``(shape[0], rest)``
+    matrix, as PyTorch's hook); flat arrays keep the codec's flat layout. PowerSGD's
+    warm-start ``Q`` is kept per key in the error-feedback state and checkpointed.
 
     ``state_dict()`` returns every residual and step counter as numpy arrays and ints
     (``numpy.savez(path, **sd)`` or ``torch.save``); ``load_state_dict`` restores them, and
@@ -163,7 +188,8 @@ class Allreduce:
                                        algorithm=self.algorithm,
                                        compressor=self.compressor or "none",
                                        check=self.check, seed=self.seed,
-                                       residuals=self.error_feedback, key=key)
+                                       residuals=self.error_feedback, key=key,
+                                       **_with_shape(self.compressor, meta, {}))
         return _array.from_device_flat(buf, meta)
 
     def _signature(self) -> str:

@@ -189,6 +189,8 @@ class PowerSGD(Compressor):
     shared_seed = True
     #: the decoded output is a projection of the input: error feedback is stable
     contractive = True
+    #: the collective views a part by its shape: entry points pass ``shape=`` (2+ dims)
+    uses_shape = True
 
     def __init__(self, rank: int = 1, min_compression_rate: float = 2.0, start_iter: int = 0,
                  warm_start: bool = True) -> None:

@@ -13,7 +13,15 @@ terngrad    gathered    n/4 + 4 bytes per bucket
 topk        gathered    8k (int32 indices, values)
 randomk     summable    4k (positions regenerated from the shared seed)
 onebit      gathered    n/8 + 8 bytes per bucket
+powersgd    summable    4r(rows + cols) per rows x cols matrix, in two rounds (rank r)
 ==========  ==========  ===========================================================
+
+``powersgd`` is stateful: its own collective (:mod:`gradcomm.collectives.powersgd`) sums
+the factors ``P`` then ``Q`` in two dense rounds (any dense algorithm, ``native``
+included) and keeps each key's warm-start ``Q`` with the error-feedback state. A tensor
+of 2+ dims is viewed as ``(shape[0], rest)`` (``allreduce``, ``Allreduce`` and the DDP
+hook pass the shape); a flat one as a near-square matrix; parts too small to gain are
+sent uncompressed.
 
 Common contract: ``compress(x, *, seed=None, out=None) -> Payload`` for a flat float16/32/64
 numpy array (``out``: an earlier payload whose buffers may be reused); ``decompress(p,

@@ -292,3 +292,121 @@ def torch_bytes(buf: Any) -> Any:
     if k == "torch":
         return buf.detach().reshape(-1).view(torch.uint8)
     return torch.from_dlpack(buf.reshape(-1).view("uint8"))
+
+
+# -- staging through host memory (wrap()'s Allreduce) -----------------------------------------
+# Byte-level copies between an array's memory (any kind, any device) and host memory, so
+# that callers never branch on the library. Host arrays take the same functions (plain
+# copies), which lets the staging logic run and be tested on machines without a GPU.
+
+def is_contiguous(x: Any) -> bool:
+    """Whether ``x``'s elements are one C-contiguous block of memory (any kind or device).
+
+    Example:
+        >>> import numpy as np
+        >>> is_contiguous(np.zeros((2, 3))), is_contiguous(np.zeros((2, 3)).T)
+        (True, False)
+    """
+    if kind(x) == "torch":
+        return bool(x.is_contiguous())
+    return bool(x.flags.c_contiguous)
+
+
+def _device_bytes(x: Any) -> Any:
+    """A flat uint8 view of a contiguous CUDA array in its own library (no copy)."""
+    if not is_contiguous(x):
+        raise ConfigError(f"a non-contiguous {kind(x)} array on {meta_of(x).device} cannot "
+                          "be copied as one block; pass a contiguous array")
+    if kind(x) == "torch":
+        import torch
+
+        return x.detach().reshape(-1).view(torch.uint8)
+    import cupy
+
+    return x.reshape(-1).view(cupy.uint8)
+
+
+def _host_bytes(x: Any) -> np.ndarray:
+    """A flat uint8 numpy view of a contiguous array in host memory (no copy)."""
+    return host_view(x).view(np.uint8)
+
+
+def byte_view(x: Any) -> Any:
+    """A flat uint8 view of contiguous ``x``'s memory where it lives (no copy): numpy for
+    host arrays, cupy for CUDA arrays (torch tensors through DLPack; needs cupy).
+
+    Example:
+        >>> import numpy as np
+        >>> x = np.ones(2, np.float32)
+        >>> v = byte_view(x); v.dtype.name, v.size, np.shares_memory(v, x)
+        ('uint8', 8, True)
+    """
+    if meta_of(x).device == "cpu":
+        return _host_bytes(x)
+    raw = _device_bytes(x)
+    if kind(x) == "cupy":
+        return raw
+    import cupy
+
+    return cupy.from_dlpack(raw)        # DLPack orders torch's stream before cupy's
+
+
+def _byte_count(raw: Any, nbytes: int | None) -> int:
+    total = int(raw.numel() if hasattr(raw, "numel") else raw.size)
+    if nbytes is None:
+        return total
+    if not 0 <= nbytes <= total:
+        raise ConfigError(f"{nbytes} bytes requested from an array of {total} bytes")
+    return int(nbytes)
+
+
+def copy_to_host(x: Any, nbytes: int | None = None) -> np.ndarray:
+    """A fresh host copy (flat uint8 numpy) of the first ``nbytes`` (default: all) of
+    contiguous ``x``'s memory, any kind or device; for a CUDA array the stream that
+    produces it is synchronised first. Host arrays are copied too.
+
+    Example:
+        >>> import numpy as np
+        >>> copy_to_host(np.arange(3, dtype=np.uint8), 2).tolist()
+        [0, 1]
+    """
+    if meta_of(x).device == "cpu":
+        raw = _host_bytes(x)
+        return raw[:_byte_count(raw, nbytes)].copy()
+    sync(x)
+    raw = _device_bytes(x)
+    raw = raw[:_byte_count(raw, nbytes)]
+    if kind(x) == "torch":
+        return raw.cpu().numpy()                   # a blocking copy on the current stream
+    import cupy
+
+    return cupy.asnumpy(raw)                       # blocking too
+
+
+def copy_from_host(x: Any, data: np.ndarray) -> None:
+    """Copy the bytes of the contiguous host array ``data`` into the start of contiguous
+    ``x``'s memory, in place, any kind or device; returns when the copy is complete (the
+    CUDA stream is synchronised).
+
+    Example:
+        >>> import numpy as np
+        >>> x = np.zeros(3, np.uint8)
+        >>> copy_from_host(x, np.array([7, 8], np.uint8)); x.tolist()
+        [7, 8, 0]
+    """
+    if not isinstance(data, np.ndarray) or not data.flags.c_contiguous:
+        raise ConfigError("copy_from_host needs a C-contiguous numpy array as data")
+    src = data.reshape(-1).view(np.uint8)
+    if meta_of(x).device == "cpu":
+        raw = _host_bytes(x)
+        np.copyto(raw[:_byte_count(raw, src.size)], src)
+        return
+    raw = _device_bytes(x)
+    raw = raw[:_byte_count(raw, src.size)]
+    if kind(x) == "torch":
+        import torch
+
+        raw.copy_(torch.from_numpy(src if src.flags.writeable else src.copy()))
+    else:
+        raw.set(src)
+    sync(x)

@@ -14,9 +14,14 @@ MPI call that takes a communicator keeps working. Only ``Allreduce`` is gradcomm
 - with ``compressor=`` the sums of floating-point buffers go through the compressed
   allreduce (stateless: no error feedback; use :class:`gradcomm.Allreduce` for that);
   max/min/prod and integer buffers stay exact (dense);
+- device arrays (cupy, torch CUDA; contiguous) are reduced where they are when the MPI is
+  CUDA-aware (``"cuda" in transport.devices``) and the sum is not compressed; otherwise
+  they are staged: copied to host memory after the producing stream is synchronised,
+  reduced there, and the result copied back into the receive buffer before ``Allreduce``
+  returns (an MPI that is not CUDA-aware would fault on a device pointer);
 - anything else (user-defined ops, derived datatypes, ``MPI.BYTE``, vector buffer specs,
-  device arrays, intercommunicators) goes to the wrapped communicator's own ``Allreduce``,
-  so a program never breaks by being wrapped.
+  non-contiguous device arrays, intercommunicators) goes to the wrapped communicator's own
+  ``Allreduce``, so a program never breaks by being wrapped.
 
 Whether a call is handled depends only on the op and the datatype, which MPI requires to be
 the same on every rank, so all ranks take the same path. Communicators derived with
@@ -35,18 +40,28 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from .. import _array
-from .._dtypes import FLOATS
+from .._dtypes import FLOATS, storage
 from ..errors import ConfigError
 
 #: logical dtypes the wrapper reduces itself (bool is left to MPI: it only allows LOR/LAND)
 _HANDLED = frozenset({"float16", "bfloat16", "float32", "float64", "int8", "int16", "int32",
                       "int64", "uint8", "uint16", "uint32", "uint64"})
 _OPS = (("SUM", "sum"), ("MAX", "max"), ("MIN", "min"), ("PROD", "prod"))
+#: where staged and compressed sums work: codecs run on host memory
+_HOST = frozenset({"cpu"})
+
+
+class _Buf(NamedTuple):
+    """One side of an Allreduce: the first ``count`` elements of ``obj``'s memory."""
+
+    obj: Any                   # the user's array (numpy for other buffer-protocol objects)
+    view: np.ndarray | None    # flat typed host view of those elements; None on a device
+    count: int                 # elements of the storage dtype
 
 
 class GradcommComm:
@@ -72,6 +87,12 @@ class GradcommComm:
 
     def Allreduce(self, sendbuf: Any, recvbuf: Any, op: Any = None) -> None:
         """mpi4py's ``Allreduce``, through gradcomm where it can (see the module doc)."""
+        return self._gradcomm_allreduce(sendbuf, recvbuf, op)
+
+    def _gradcomm_allreduce(self, sendbuf: Any, recvbuf: Any, op: Any = None,
+                            route: str | None = None) -> None:
+        """:meth:`Allreduce`; ``route`` ("direct" or "staged") overrides the choice of
+        :meth:`_gradcomm_route` (tests stage host arrays through the same code)."""
         from mpi4py import MPI
 
         if op is None:
@@ -80,10 +101,45 @@ class GradcommComm:
         if plan is None:
             return self._gradcomm_base.Allreduce(self, sendbuf, recvbuf, op)
         send, recv, dtype, opname = plan
-        if send is not None and send.size:
-            np.copyto(recv, send)
-        self._gradcomm_reduce(recv, dtype, opname)
+        if (route or self._gradcomm_route(send, recv, dtype, opname)) == "staged":
+            self._gradcomm_staged(send, recv, dtype, opname)
+            return None
+        if recv.view is None:                      # device memory: its producer is done
+            for b in (recv,) if send is None else (send, recv):
+                _array.sync(b.obj)
+        rview = _direct_view(recv, dtype)
+        if send is not None and send.count:
+            rview[...] = _direct_view(send, dtype)
+        self._gradcomm_reduce(rview, dtype, opname)
+        _array.sync(rview)                         # device results complete on return
         return None
+
+    def _gradcomm_route(self, send: _Buf | None, recv: _Buf, dtype: str, op: str) -> str:
+        """"direct" when gradcomm can reduce in the buffers' own memory: host memory, or
+        device memory that the transport moves (CUDA-aware MPI) for a sum that is not
+        compressed; else "staged" through host memory."""
+        sides = (recv,) if send is None else (send, recv)
+        if all(b.view is not None for b in sides):
+            return "direct"
+        devices = _HOST if self._gradcomm_compresses(dtype, op) else \
+            self.gradcomm_transport.devices
+        if all(b.view is None and _array.placement(_array.meta_of(b.obj), devices) ==
+               "device" for b in sides):
+            return "direct"
+        return "staged"
+
+    def _gradcomm_staged(self, send: _Buf | None, recv: _Buf, dtype: str, op: str) -> None:
+        """Copy the input to host memory (after a stream sync), reduce there, copy the
+        result into ``recv``'s memory; any kind or device, host arrays included."""
+        st = storage(dtype)
+        nbytes = recv.count * st.itemsize
+        host = _array.copy_to_host((recv if send is None else send).obj, nbytes).view(st)
+        self._gradcomm_reduce(host, dtype, op)
+        _array.copy_from_host(recv.obj, host)
+
+    def _gradcomm_compresses(self, dtype: str, op: str) -> bool:
+        return self.gradcomm_options["compressor"] is not None and op == "sum" and \
+            dtype in FLOATS
 
     def _gradcomm_reduce(self, buf: np.ndarray, dtype: str, op: str) -> None:
         from ..collectives import DENSE, dense_allreduce
@@ -91,7 +147,7 @@ class GradcommComm:
         opts = self.gradcomm_options
         t = self.gradcomm_transport
         algorithm, compressor = opts["algorithm"], opts["compressor"]
-        if compressor is not None and op == "sum" and dtype in FLOATS:
+        if self._gradcomm_compresses(dtype, op):
             from ..collectives.compressed import compressed_allreduce
 
             out = compressed_allreduce(t, buf, dtype, op="sum", algorithm=algorithm,
@@ -201,30 +257,33 @@ def _logical(MPI: Any, datatype: Any) -> str | None:
     return name if name in _HANDLED else None
 
 
-def _storage_of(obj: Any) -> tuple[np.ndarray, str] | None:
-    """A flat host view of ``obj``'s memory and its logical dtype, or None."""
+def _storage_of(obj: Any) -> tuple[Any, np.ndarray | None, int, str] | None:
+    """(array, flat uint8 host view of its memory or None in device memory, its size in
+    bytes, logical dtype), or None to leave ``obj`` to MPI."""
     try:
         k = _array.kind(obj)
     except ConfigError:
         k = None
     try:
-        if k in ("numpy", "torch"):
+        if k is not None:
             meta = _array.meta_of(obj)
-            if meta.device != "cpu":
-                return None                        # device arrays: MPI's own Allreduce
-            return _array.host_view(obj), meta.dtype
-        if k is None:                              # bytearray, array.array, memoryview...
-            arr = np.asarray(memoryview(obj))
-            if not arr.flags.c_contiguous:
+            if meta.device == "cpu":
+                raw = _array.host_view(obj).view(np.uint8)
+                return obj, raw, raw.size, meta.dtype
+            if meta.dtype not in _HANDLED or not _array.is_contiguous(obj):
                 return None
-            return arr.reshape(-1), arr.dtype.name
+            return obj, None, meta.count * storage(meta.dtype).itemsize, meta.dtype
+        arr = np.asarray(memoryview(obj))          # bytearray, array.array, memoryview...
+        if not arr.flags.c_contiguous:
+            return None
+        raw = arr.reshape(-1).view(np.uint8) if arr.size else np.empty(0, np.uint8)
+        return arr, raw, raw.size, arr.dtype.name
     except (ConfigError, TypeError, ValueError, BufferError):
         return None
-    return None
 
 
-def _spec(MPI: Any, spec: Any) -> tuple[np.ndarray, int | None, str] | None:
-    """Parse an mpi4py buffer spec into (flat view in the storage dtype, count, dtype)."""
+def _spec(MPI: Any, spec: Any) -> tuple[_Buf, str] | None:
+    """Parse an mpi4py buffer spec into (the buffer, its logical dtype)."""
     count, datatype = None, None
     if isinstance(spec, (list, tuple)):
         if len(spec) == 2:
@@ -244,30 +303,37 @@ def _spec(MPI: Any, spec: Any) -> tuple[np.ndarray, int | None, str] | None:
     found = _storage_of(obj)
     if found is None:
         return None
-    view, dtype = found
+    arr, raw, nbytes, dtype = found
     if datatype is not None:
         dtype = _logical(MPI, datatype)
         if dtype is None:
             return None
     if dtype not in _HANDLED:
         return None
-    from .._dtypes import storage
-
     st = storage(dtype)
-    raw = view.view(np.uint8) if view.size else np.empty(0, np.uint8)
-    if raw.size % st.itemsize:
+    if nbytes % st.itemsize:
         return None
-    typed = raw.view(st)
-    if count is not None:
-        if not 0 <= count <= typed.size:
-            return None
-        typed = typed[:count]
-    return typed, count, dtype
+    total = nbytes // st.itemsize
+    if count is None:
+        count = total
+    elif not 0 <= count <= total:
+        return None
+    view = None if raw is None else raw.view(st)[:count]
+    return _Buf(arr, view, count), dtype
+
+
+def _direct_view(buf: _Buf, dtype: str) -> Any:
+    """The flat typed view of ``buf``'s elements where they live (numpy or cupy)."""
+    if buf.view is not None:
+        return buf.view
+    st = storage(dtype)
+    return _array.byte_view(buf.obj)[:buf.count * st.itemsize].view(st)
 
 
 def _plan(MPI: Any, comm: Any, sendbuf: Any, recvbuf: Any,
-          op: Any) -> tuple[np.ndarray | None, np.ndarray, str, str] | None:
-    """(send view or None for IN_PLACE, recv view, dtype, op) or None to hand to MPI."""
+          op: Any) -> tuple[_Buf | None, _Buf, str, str] | None:
+    """(send buffer or None for IN_PLACE, receive buffer, dtype, op) or None to hand the
+    call to MPI."""
     if not isinstance(comm, MPI.Intracomm):
         return None
     opname = _op_name(MPI, op)
@@ -276,15 +342,15 @@ def _plan(MPI: Any, comm: Any, sendbuf: Any, recvbuf: Any,
     recv = _spec(MPI, recvbuf)
     if recv is None:
         return None
-    rview, _, dtype = recv
-    if not rview.flags.writeable:
+    rbuf, dtype = recv
+    if rbuf.view is not None and not rbuf.view.flags.writeable:
         return None
     if sendbuf is MPI.IN_PLACE:
-        return None, rview, dtype, opname
+        return None, rbuf, dtype, opname
     send = _spec(MPI, sendbuf)
     if send is None:
         return None
-    sview, _, sdtype = send
-    if sdtype != dtype or sview.size != rview.size:
+    sbuf, sdtype = send
+    if sdtype != dtype or sbuf.count != rbuf.count:
         return None                                # mpi4py raises its own error
-    return sview, rview, dtype, opname
+    return sbuf, rbuf, dtype, opname

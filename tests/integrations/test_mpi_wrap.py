@@ -1,7 +1,9 @@
 """``gradcomm.integrations.mpi.wrap``: a raw mpi4py program under a real mpirun (buffer
 specs, IN_PLACE, ops, torch tensors, 16-bit floats, fallbacks to MPI for what gradcomm
-does not handle, attribute pass-through, identical bytes on every rank, mismatches), and
-the parsing and option checks in-process on COMM_SELF.
+does not handle, attribute pass-through, identical bytes on every rank, mismatches; the
+staged route that device arrays take on an MPI that is not CUDA-aware, run on host arrays
+through the same code), and the parsing and option checks in-process on COMM_SELF.
+Device arrays themselves: tests/test_gpu.py (GPU machines).
 """
 
 from __future__ import annotations
@@ -39,6 +41,11 @@ def test_wrap_in_a_raw_mpi4py_program(n: int, extra: tuple[str, ...]) -> None:
     for r in results:
         assert _failures(r) == {}, f"rank {r['rank']}: {_failures(r)}"
         assert r["mismatch"] == "MismatchError", r["rank"]
+        staged = {"in_place", "count_in_place", "count_out_of_place", "reinterpreted",
+                  "bytearray", "float16", "empty", "min_int", "bitwise_equal_to_direct"}
+        staged |= set() if extra else {"torch_in_place", "torch_bfloat16", "torch_spec",
+                                       "mixed_kinds"}
+        assert staged <= set(r["staged"]), sorted(staged - set(r["staged"]))
         if "compressed_bytes" in r:              # fp16 on the wire: about half the bytes
             compressed, dense = r["compressed_bytes"]
             assert 0 < compressed < 0.6 * dense, r["compressed_bytes"]
@@ -82,14 +89,18 @@ def test_buffer_specs_are_parsed_like_mpi4py(MPI: Any) -> None:
     x = np.arange(6.0)
     f = np.zeros(4, np.float32)
     send, recv, dtype, op = _plan(MPI, comm, MPI.IN_PLACE, [x, 4, MPI.DOUBLE], MPI.MAX)
-    assert send is None and recv.size == 4 and dtype == "float64" and op == "max"
-    assert np.shares_memory(recv, x)
+    assert send is None and recv.count == recv.view.size == 4 and dtype == "float64" and \
+        op == "max"
+    assert np.shares_memory(recv.view, x) and recv.obj is x
     _, recv, dtype, _ = _plan(MPI, comm, MPI.IN_PLACE, [x, "f"], MPI.SUM)   # reinterpreted
-    assert dtype == "float32" and recv.size == 12
+    assert dtype == "float32" and recv.count == recv.view.size == 12
     _, recv, dtype, _ = _plan(MPI, comm, MPI.IN_PLACE, [x, 3], MPI.PROD)
-    assert dtype == "float64" and recv.size == 3
+    assert dtype == "float64" and recv.count == 3
     send, recv, dtype, _ = _plan(MPI, comm, [x[:4].astype(np.float32), MPI.FLOAT], f, MPI.MIN)
-    assert send.size == recv.size == 4 and dtype == "float32"
+    assert send.count == recv.count == 4 and dtype == "float32"
+    ba = bytearray(8)                                   # buffer-protocol objects: numpy
+    _, recv, dtype, _ = _plan(MPI, comm, MPI.IN_PLACE, [ba, MPI.FLOAT], MPI.SUM)
+    assert isinstance(recv.obj, np.ndarray) and recv.count == 2 and dtype == "float32"
     # handed to MPI: user op, MPI.BYTE, derived types, vector specs, size mismatches,
     # read-only receive buffers, non-contiguous arrays, complex, long double
     op = MPI.Op.Create(lambda a, b, t: None, commute=True)
@@ -130,3 +141,22 @@ def test_wrap_on_comm_self_runs_gradcomm_and_falls_back(MPI: Any) -> None:
     d = comm.Dup()
     assert type(d) is type(comm) and d.gradcomm_transport is not comm.gradcomm_transport
     d.Free()
+
+
+def test_host_arrays_route_direct_and_stage_alike(MPI: Any) -> None:
+    """Host memory is reduced in place ("direct"); the staged route (device arrays on an
+    MPI that is not CUDA-aware) gives the same results on every spec form."""
+    from gradcomm.integrations.mpi import _plan, wrap
+
+    comm = wrap(MPI.COMM_SELF)
+    for args in [(MPI.IN_PLACE, np.arange(4.0), MPI.SUM),
+                 (np.ones(3, np.float16), np.zeros(3, np.float16), MPI.MAX)]:
+        assert comm._gradcomm_route(*_plan(MPI, comm, *args)) == "direct"
+    for route in ("direct", "staged"):
+        out = np.full(6, -1.0)
+        comm._gradcomm_allreduce([np.arange(4.0), MPI.DOUBLE], [out, 4, MPI.DOUBLE],
+                                 MPI.SUM, route=route)
+        assert out.tolist() == [0.0, 1.0, 2.0, 3.0, -1.0, -1.0], route
+        h = np.arange(5, dtype=np.float16)
+        comm._gradcomm_allreduce(MPI.IN_PLACE, [h, 3], MPI.PROD, route=route)
+        assert h.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0], route

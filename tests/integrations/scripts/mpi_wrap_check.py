@@ -109,6 +109,8 @@ def main() -> int:
     res["float16"] = handled(lambda: comm.Allreduce(MPI.IN_PLACE, h))[0] and \
         h.tolist() == [tri + 0.5 * p] * 9
 
+    res["staged"] = staged_checks(comm, rank, p, "--no-torch" not in sys.argv[1:])
+
     # identical bytes on every rank for sums that are not exact
     rnd = np.random.default_rng(rank).standard_normal(10007).astype(np.float32)
     digests = {}
@@ -198,6 +200,75 @@ def main() -> int:
         res["compressed_sum"] = "fp16 codec missing"
     print("RESULT " + json.dumps(res), flush=True)
     return 0
+
+
+def staged_checks(comm: Any, rank: int, p: int, with_torch: bool) -> dict[str, Any]:
+    """The staged route (device arrays on an MPI that is not CUDA-aware: copy to host,
+    reduce, copy back) run on host arrays, which take the same code and the same
+    ``_array`` copy functions: results must equal the direct route's, bitwise."""
+    from gradcomm.integrations.mpi import wrap
+
+    t = comm.gradcomm_transport
+    tri = p * (p - 1) // 2
+    out: dict[str, Any] = {}
+
+    def staged(send: Any, recv: Any, op: Any = MPI.SUM, c: Any = comm) -> bool:
+        before = t.stats.messages_sent + c.gradcomm_transport.stats.messages_sent
+        c._gradcomm_allreduce(send, recv, op, route="staged")
+        return t.stats.messages_sent + c.gradcomm_transport.stats.messages_sent > before
+
+    x = np.arange(5.0) + rank
+    out["in_place"] = staged(MPI.IN_PLACE, x) and x.tolist() == [p * i + tri for i in range(5)]
+    d = np.full(6, rank + 1.0)                      # only `count` elements are written back
+    out["count_in_place"] = staged(MPI.IN_PLACE, [d, 4, MPI.DOUBLE]) and \
+        d.tolist() == [float(tri + p)] * 4 + [rank + 1.0] * 2
+    s, r = np.full(6, rank + 1.0, np.float32), np.full(6, -1.0, np.float32)
+    out["count_out_of_place"] = staged([s, 3, MPI.FLOAT], [r, 3, MPI.FLOAT], MPI.MAX) and \
+        r.tolist() == [float(p)] * 3 + [-1.0] * 3 and s.tolist() == [rank + 1.0] * 6
+    b = np.frombuffer(np.full(3, rank, np.int64).tobytes(), np.uint8).copy()
+    out["reinterpreted"] = staged(MPI.IN_PLACE, [b, MPI.INT64_T]) and \
+        b.view(np.int64).tolist() == [tri] * 3
+    ba = bytearray(np.full(2, rank + 1, np.float64).tobytes())
+    out["bytearray"] = staged(MPI.IN_PLACE, [ba, MPI.DOUBLE]) and \
+        np.frombuffer(ba).tolist() == [float(tri + p)] * 2
+    h = np.full(9, rank + 0.5, np.float16)
+    out["float16"] = staged(MPI.IN_PLACE, h) and h.tolist() == [tri + 0.5 * p] * 9
+    z = np.zeros(0, np.float32)
+    staged(MPI.IN_PLACE, z)
+    out["empty"] = z.size == 0
+    m = np.array([rank, -rank, 7], np.int32)
+    mo = np.zeros(3, np.int32)
+    out["min_int"] = staged(m, mo, MPI.MIN) and mo.tolist() == [0, -(p - 1), 7]
+    rnd = np.random.default_rng(100 + rank).standard_normal(3001).astype(np.float32)
+    a, b2 = rnd.copy(), np.empty_like(rnd)
+    comm.Allreduce(MPI.IN_PLACE, a)                  # direct
+    staged(rnd, b2)
+    out["bitwise_equal_to_direct"] = a.tobytes() == b2.tobytes()
+    if with_torch:
+        import torch
+
+        tt = torch.full((2, 3), float(rank + 1))
+        out["torch_in_place"] = staged(MPI.IN_PLACE, tt) and \
+            torch.equal(tt, torch.full((2, 3), float(tri + p)))
+        bf = torch.full((7,), rank + 1.5, dtype=torch.bfloat16)
+        bo = torch.zeros(7, dtype=torch.bfloat16)
+        out["torch_bfloat16"] = staged(bf, bo) and \
+            torch.equal(bo, torch.full((7,), float(tri + 1.5 * p), dtype=torch.bfloat16))
+        ts = torch.arange(4.0) * (rank + 1)
+        to = torch.zeros(4)
+        out["torch_spec"] = staged([ts, 2, MPI.FLOAT], [to, 2, MPI.FLOAT]) and \
+            to.tolist() == [0.0, float(tri + p), 0.0, 0.0]
+        mixed = torch.zeros(5, dtype=torch.float64)          # numpy in, torch out
+        out["mixed_kinds"] = staged(np.full(5, rank + 1.0), mixed) and \
+            mixed.tolist() == [float(tri + p)] * 5
+    if "fp16" in __import__("gradcomm").compressors.names():
+        cc = wrap(comm, algorithm="ring", compressor="fp16")
+        g = np.full(4096, rank + 1.0, np.float32)
+        gd = g.copy()
+        cc.Allreduce(MPI.IN_PLACE, gd)                       # direct
+        out["compressed"] = staged(MPI.IN_PLACE, g, c=cc) and g.tobytes() == gd.tobytes() \
+            and g.tolist() == [float(tri + p)] * 4096
+    return out
 
 
 def ref(world: Any, v: np.ndarray, op: Any) -> np.ndarray:

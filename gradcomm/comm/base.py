@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ TAG_BARRIER = 2
 TAG_DATA = 3
 TAG_SIZES = 4
 TAG_GOSSIP = 5
+TAG_PROFILE = 6
 TAG_USER = 100
 
 
@@ -76,6 +78,15 @@ class Transport(ABC):
     devices: frozenset[str] = frozenset({"cpu"})
     #: short name used in messages and benchmarks ("threads", "mpi", "torch")
     name: str = "transport"
+    #: True where the library's own allreduce of a small buffer is cheaper than a
+    #: recursive doubling of point-to-point messages (MPI: one C call; not gloo, whose
+    #: all_reduce costs milliseconds). Then the argument check uses
+    #: :meth:`small_allreduce`, and ``algorithm="auto"`` may hand small checked messages
+    #: to :meth:`native_allreduce`. May be set per instance.
+    fast_native: bool = False
+    #: True where :meth:`native_allreduce` waits with the deadline (so ``auto`` may pick it
+    #: for calls without the argument check); MPI's blocking MPI_Allreduce does not
+    native_bounded: bool = False
 
     def __init__(self, rank: int, size: int, timeout: float = DEFAULT_TIMEOUT) -> None:
         if timeout <= 0:
@@ -102,6 +113,19 @@ class Transport(ABC):
         from ..errors import UnsupportedError
 
         raise UnsupportedError(f"the {self.name} transport has no native allreduce")
+
+    def native_supports(self, dtype: str, op: str) -> bool:
+        """Whether :meth:`native_allreduce` reduces logical ``dtype`` under ``op`` (one of
+        sum/max/min/prod) correctly. Cheap; the same answer on every rank."""
+        return False
+
+    def small_allreduce(self, buf: Any, op: str, dtype: str) -> None:
+        """The library's own allreduce of a small buffer, in place, bounded by the deadline
+        (:class:`DeadlineError`, unlike :meth:`native_allreduce`, which may block). Used
+        by the argument check where :attr:`fast_native` is set."""
+        from ..errors import UnsupportedError
+
+        raise UnsupportedError(f"the {self.name} transport has no bounded native allreduce")
 
     # -- the interface collectives use ---------------------------------------------------
     def isend(self, buf: Any, dest: int, tag: int = TAG_DATA) -> Request:
@@ -160,21 +184,40 @@ class Transport(ABC):
             "collective")
 
 
-def poll(requests: Sequence[Request], deadline: float, on_expiry: Any) -> None:
-    """Spin, then back off, until every request tests complete or ``deadline`` passes.
+#: a wait spins this long before giving up the CPU (a small message arrives within it)
+SPIN_SECONDS = 50e-6
+#: then yields the CPU (``sched_yield``) between tests until this long has passed
+YIELD_SECONDS = 1e-3
+#: then sleeps an eighth of the time waited so far, at most this long, between tests
+MAX_SLEEP_SECONDS = 1e-3
 
-    ``on_expiry()`` returns the exception to raise. Spinning for the first ~200 µs keeps
-    latency low for small messages; later sleeps keep an idle rank off the CPU.
+_yield = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
+
+
+def poll(requests: Sequence[Request], deadline: float, on_expiry: Any) -> None:
+    """Test until every request is complete or ``deadline`` (``time.monotonic``) passes.
+
+    ``on_expiry()`` returns the exception to raise. Time-based back-off: spin for
+    :data:`SPIN_SECONDS` (small messages arrive within it), then yield the CPU between
+    tests until :data:`YIELD_SECONDS`, then sleep an eighth of the time waited so far
+    (at most :data:`MAX_SLEEP_SECONDS`), so a late message costs at most ~1/8 more than
+    its wait and an idle rank stays off the CPU.
     """
     pending = [r for r in requests if not r.test()]
-    spins, pause = 0, 0.0
-    while pending:
+    if not pending:
+        return
+    start = time.monotonic()
+    while True:
         pending = [r for r in pending if not r.test()]
         if not pending:
             return
-        spins += 1
-        if spins > 200:
-            if time.monotonic() > deadline:
-                raise on_expiry()
-            pause = min(max(pause * 2, 1e-5), 1e-3)
-            time.sleep(pause)
+        now = time.monotonic()
+        waited = now - start
+        if waited < SPIN_SECONDS:
+            continue
+        if now > deadline:
+            raise on_expiry()
+        if waited < YIELD_SECONDS:
+            _yield()
+        else:
+            time.sleep(min(waited / 8, MAX_SLEEP_SECONDS, max(deadline - now, 0.0)))

@@ -143,6 +143,7 @@ class ThreadTransport(Transport):
     """One rank of an in-process group; made by :func:`run_ranks`."""
 
     name = "threads"
+    native_bounded = True       # its native allreduce waits with the deadline
 
     def __init__(self, fabric: _Fabric, rank: int, timeout: float = DEFAULT_TIMEOUT) -> None:
         super().__init__(rank, fabric.size, timeout)
@@ -158,6 +159,14 @@ class ThreadTransport(Transport):
         t = self.timeout if timeout is None else timeout
         if not self._fabric.wait(self.rank, requests, t):  # type: ignore[arg-type]
             raise self._expired("a send or receive")
+
+    def native_supports(self, dtype: str, op: str) -> bool:
+        """Every dtype: the reduction is gradcomm's own, in rank order."""
+        return op in ("sum", "max", "min", "prod")
+
+    def small_allreduce(self, buf: Any, op: str, dtype: str) -> None:
+        """:meth:`native_allreduce` (it already waits with the deadline)."""
+        self.native_allreduce(buf, op, dtype)
 
     def native_allreduce(self, buf: Any, op: str, dtype: str) -> None:
         """Shared-memory allreduce: every rank reduces all inputs in rank order."""

@@ -75,6 +75,7 @@ class TorchTransport(Transport):
     """
 
     name = "torch"
+    native_bounded = True       # its native allreduce waits with the deadline
 
     def __init__(self, group: Any = None, timeout: float = DEFAULT_TIMEOUT) -> None:
         import torch
@@ -149,6 +150,16 @@ class TorchTransport(Transport):
                     "different collective") from None
             raise TransportError(f"rank {self.rank} (torch {self.backend}): {what} failed: "
                                  f"{text.splitlines()[0] if text else exc!r}") from None
+
+    def native_supports(self, dtype: str, op: str) -> bool:
+        """What :meth:`native_allreduce` accepts (gloo: not int16 or wide unsigned)."""
+        return (op in _OPS and dtype not in _NATIVE_UNSUPPORTED.get(self.backend, ())
+                and hasattr(self.torch, dtype))
+
+    def small_allreduce(self, buf: Any, op: str, dtype: str) -> None:
+        """:meth:`native_allreduce` (it waits with the deadline). Not used by the argument
+        check (``fast_native`` is False: gloo's all_reduce costs milliseconds)."""
+        self.native_allreduce(buf, op, dtype)
 
     def native_allreduce(self, buf: Any, op: str, dtype: str) -> None:
         """``dist.all_reduce`` in place on ``buf`` (viewed as the torch dtype), with the

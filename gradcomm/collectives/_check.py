@@ -1,21 +1,29 @@
 """Cross-rank agreement on a collective's arguments, before any data moves.
 
 Each rank packs what must agree (collective, count, dtype, op, algorithm, compressor...)
-into int64 fields; one small recursive-doubling max-reduction of ``[fields, -fields]``
-tells every rank, at the same moment, whether all ranks passed the same values. A
-disagreement raises :class:`MismatchError` on every rank, naming the fields that differ;
-the transport stays usable.
+into int64 fields; one small max-reduction of ``[fields, -fields]`` tells every rank, at
+the same moment, whether all ranks passed the same values. A disagreement raises
+:class:`MismatchError` on every rank, naming the fields that differ; the transport stays
+usable.
+
+The reduction is the transport's own bounded allreduce (:meth:`Transport.small_allreduce`,
+e.g. one ``MPI_Iallreduce`` of 256 bytes) where the transport says that is cheap
+(``fast_native``), else a recursive doubling of point-to-point messages (tag
+``TAG_CHECK``). Either way it waits with the transport's deadline, so a rank that never
+joins is a :class:`DeadlineError`, not a hang. The native form always reduces
+:data:`NATIVE_FIELDS` fields (missing ones zero, extra ones hashed into the last), so two
+ranks calling different collectives still reduce equal-sized buffers.
 
 Example:
     >>> from gradcomm.comm import run_ranks
     >>> run_ranks(2, lambda t: agree(t, "allreduce", count=4, dtype="float32"))
-    [None, None]
+    [frozenset(), frozenset()]
 """
 
 from __future__ import annotations
 
 import zlib
-from typing import Any
+from typing import Any, Collection
 
 import numpy as np
 
@@ -26,6 +34,12 @@ from . import recursive_doubling
 from ._reduce import Reducer
 
 _MAX = Reducer("max", "int64")
+#: fields in the native form of the check (the collective's name counts as one)
+NATIVE_FIELDS = 16
+#: distinct argument tuples whose packed codes are kept
+_CACHE_LIMIT = 1024
+#: verified signatures kept per transport for ``once=True``
+_VERIFIED_LIMIT = 4096
 
 
 def _code(name: str, value: Any) -> int:
@@ -38,28 +52,102 @@ def _code(name: str, value: Any) -> int:
     return zlib.crc32(repr(value).encode())
 
 
-def agree(t: Transport, collective: str, **fields: Any) -> None:
-    """Raise :class:`MismatchError` on every rank unless all ranks passed equal fields."""
+class _Signature:
+    """The packed form of one argument tuple, computed once and reused."""
+
+    __slots__ = ("names", "values", "p2p", "native", "native_names", "native_values")
+
+    def __init__(self, collective: str, fields: dict[str, Any]) -> None:
+        self.names = ["collective", *fields]
+        self.values: list[Any] = [collective, *fields.values()]
+        codes = np.array([_code(n, v) for n, v in zip(self.names, self.values)], np.int64)
+        self.p2p = np.concatenate([codes, -codes])
+        k, m = NATIVE_FIELDS, len(codes)
+        if m > k:                           # hash the tail into the last field
+            tail = codes[k - 1:]
+            codes = np.concatenate([codes[:k - 1],
+                                    [zlib.crc32(tail.tobytes())]]).astype(np.int64)
+            self.native_names = self.names[:k - 1] + ["one of " + ", ".join(self.names[k - 1:])]
+            self.native_values = self.values[:k - 1] + [_HASHED]
+        else:                               # pad with zeros
+            codes = np.concatenate([codes, np.zeros(k - m, np.int64)])
+            self.native_names = self.names + [f"argument {i}" for i in range(m, k)]
+            self.native_values = self.values + [_ABSENT] * (k - m)
+        self.native = np.concatenate([codes, -codes])
+
+
+_HASHED, _ABSENT = object(), object()
+_SIGNATURES: dict[Any, _Signature] = {}
+
+
+def _signature(collective: str, fields: dict[str, Any]) -> tuple[Any, _Signature]:
+    try:
+        key: Any = (collective, *fields.items())
+        sig = _SIGNATURES.get(key)
+    except TypeError:                       # an unhashable value: pack it every time
+        return None, _Signature(collective, fields)
+    if sig is None:
+        sig = _Signature(collective, fields)
+        if len(_SIGNATURES) >= _CACHE_LIMIT:
+            _SIGNATURES.clear()
+        _SIGNATURES[key] = sig
+    return key, sig
+
+
+def agree(t: Transport, collective: str, *, once: bool = False,
+          negotiable: Collection[str] = (), **fields: Any) -> frozenset[str] | None:
+    """Raise :class:`MismatchError` on every rank unless all ranks passed equal fields.
+
+    ``once``: skip the exchange if this transport already verified exactly these
+    arguments, with or without ``once`` (every rank has then seen them: see
+    ``check="first"`` in
+    :func:`~gradcomm.collectives.dense_allreduce`). ``negotiable`` names fields whose
+    difference is no error: their names are returned instead (the same set on every
+    rank), for the caller to reconcile. Returns the empty set when all agree, None when
+    the exchange was skipped (``once``).
+    """
     if t.size == 1:
-        return
-    names = ["collective", *fields]
-    values = [collective, *fields.values()]
-    codes = np.array([_code(n, v) for n, v in zip(names, values)], np.int64)
-    buf = np.concatenate([codes, -codes])
-    recursive_doubling.allreduce(t, buf, _MAX, tag=TAG_CHECK)
-    k = len(codes)
+        return frozenset()
+    key, sig = _signature(collective, fields)
+    verified = None
+    if key is not None:
+        verified = t.__dict__.get("_gradcomm_verified")
+        if verified is None:
+            verified = t.__dict__["_gradcomm_verified"] = set()
+        if once and key in verified:
+            return None
+    native = t.fast_native
+    buf = (sig.native if native else sig.p2p).copy()
+    if native:
+        t.small_allreduce(buf, "max", "int64")
+    else:
+        recursive_doubling.allreduce(t, buf, _MAX, tag=TAG_CHECK)
+    ref = sig.native if native else sig.p2p
+    if buf.tobytes() == ref.tobytes():      # max(c) = c and max(-c) = -c: all equal
+        if verified is not None:
+            if len(verified) >= _VERIFIED_LIMIT:
+                verified.clear()
+            verified.add(key)
+        return frozenset()
+    k = len(ref) // 2
     hi, lo = buf[:k], -buf[k:]
+    names, values = (sig.native_names, sig.native_values) if native else (sig.names,
+                                                                           sig.values)
     bad = [i for i in range(k) if hi[i] != lo[i]]
-    if not bad:
-        return
+    if all(names[i] in negotiable for i in bad):
+        return frozenset(names[i] for i in bad)
     parts = []
     for i in bad:
-        name = names[i]
-        if isinstance(values[i], int) and not isinstance(values[i], bool):
+        name, value = names[i], values[i]
+        if value is _HASHED:
+            parts.append(f"{name} differs")
+        elif value is _ABSENT:
+            parts.append(f"{name} differs (some ranks passed more arguments)")
+        elif isinstance(value, int) and not isinstance(value, bool):
             parts.append(f"{name} ranges from {lo[i]} to {hi[i]}")
         elif name == "dtype" and lo[i] in NAMES and hi[i] in NAMES:
             parts.append(f"dtype differs (e.g. {NAMES[int(lo[i])]} vs {NAMES[int(hi[i])]})")
         else:
-            parts.append(f"{name} differs (this rank: {values[i]!r})")
+            parts.append(f"{name} differs (this rank: {value!r})")
     raise MismatchError(f"rank {t.rank}: ranks called {collective} with different "
                         f"arguments: {'; '.join(parts)}")

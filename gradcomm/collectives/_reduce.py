@@ -62,3 +62,19 @@ class Reducer:
             f32_to_bf16(bf16_to_f32(buf) / np.float32(size), buf)
         else:
             np.divide(buf, buf.dtype.type(size), out=buf)
+
+
+_REDUCERS: dict[tuple[str, str], Reducer] = {}
+
+
+def reducer(op: str, dtype: str) -> Reducer:
+    """A shared :class:`Reducer` (they hold no state), created on first use.
+
+    Example:
+        >>> reducer("sum", "float32") is reducer("sum", "float32")
+        True
+    """
+    red = _REDUCERS.get((op, dtype))
+    if red is None:
+        red = _REDUCERS[(op, dtype)] = Reducer(op, dtype)
+    return red

@@ -80,6 +80,7 @@ from ..comm.base import Transport
 from ..compressors.base import Compressor, Payload
 from ..error_feedback import HOP_SEP, ErrorFeedback, contractive
 from ..errors import ConfigError, GradcommError, MismatchError, PayloadError, UnsupportedError
+from . import compressed_ring
 from ._check import agree
 from ._reduce import Reducer
 
@@ -596,6 +597,9 @@ def _per_hop(t: Transport, x: np.ndarray, codec: Compressor, name: str, seeds: _
     if name in ("ring", "tree") and x.size:
         ratio = x.size * x.itemsize / max(1, max_nbytes(codec, x.size, x.dtype.name))
         kwargs["chunk_bytes"] = max(x.itemsize, int(CHUNK_BYTES * max(1.0, ratio)))
+    if name == "ring" and compressed_ring.wanted(x.nbytes, t):
+        compressed_ring.allreduce(t, x, wire, **kwargs)
+        return
     algorithm(name)(t, x, Reducer("sum", x.dtype.name), wire=wire, **kwargs)
 
 

@@ -23,7 +23,7 @@ _HOST = frozenset({"cpu"})
 
 
 def allreduce(x: Any, comm: Any = None, *, op: str = "sum", algorithm: str = "auto",
-              compressor: Any = None, check: bool = True, **options: Any) -> Any:
+              compressor: Any = None, check: bool | str = True, **options: Any) -> Any:
     """Reduce ``x`` across the ranks of ``comm``; every rank gets the same bytes.
 
     Args:
@@ -36,7 +36,10 @@ def allreduce(x: Any, comm: Any = None, *, op: str = "sum", algorithm: str = "au
         compressor: None, a codec name (options in ``**options``) or a Compressor.
         check: first verify that all ranks passed the same count, dtype, op, algorithm
             and compressor (one tiny exchange); a difference raises MismatchError on
-            every rank instead of hanging or returning garbage.
+            every rank instead of hanging or returning garbage. ``"first"`` (dense sums):
+            only the first call with these arguments on this transport checks; a later
+            disagreement is then caught only by message sizes or the deadline (see
+            :func:`gradcomm.collectives.dense_allreduce`). ``False``: no check.
 
     Example:
         >>> import numpy as np
@@ -118,7 +121,9 @@ class Allreduce:
             (with an ErrorFeedbackWarning) for codecs that are not contractions (TernGrad,
             QSGD with few levels: residuals would diverge).
         seed: seeds the stochastic codecs with ``(seed, step, crc32(key), rank)``.
-        check: verify the arguments agree across ranks at every call.
+        check: verify the arguments agree across ranks at every call (``"first"``:
+            dense sums check only the first call with given arguments, see
+            :func:`allreduce`).
 
     Codecs that view their input by its shape (``uses_shape``: powersgd) get ``x``'s
     shape when ``x`` has two or more dimensions (PowerSGD: the ``(shape[0], rest)``
@@ -141,7 +146,7 @@ class Allreduce:
 
     def __init__(self, comm: Any = None, *, op: str = "mean", algorithm: str = "auto",
                  compressor: Any = None, error_feedback: bool = True, seed: int = 0,
-                 check: bool = True, **options: Any) -> None:
+                 check: bool | str = True, **options: Any) -> None:
         from . import compressors
         from .error_feedback import ErrorFeedback, ErrorFeedbackWarning, contractive
 
@@ -151,7 +156,7 @@ class Allreduce:
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 63:
             raise ConfigError(f"seed must be an integer in 0..2**63-1, got {seed!r}")
         self.comm, self.op, self.algorithm, self.seed, self.check = (
-            comm, op, algorithm, seed, bool(check))
+            comm, op, algorithm, seed, check if check == "first" else bool(check))
         self.compressor = None if compressor is None else compressors.get(compressor,
                                                                           **options)
         lossy = self.compressor is not None and self.compressor.lossy

@@ -434,6 +434,8 @@ def copy_from_host(x: Any, data: np.ndarray) -> None:
         return
     raw = _device_bytes(x)
     raw = raw[:_byte_count(raw, src.size)]
+    if src.size == 0:
+        return
     if kind(x) == "torch":
         import torch
 

@@ -8,7 +8,11 @@ skip cleanly elsewhere. ``bench/gpu_check.py`` runs this file on a GPU machine.
 Covered: staged allreduce (host copies that wait for the producing stream), the
 device-resident path of a transport that moves device buffers (``to_flat_for`` +
 ``dense_allreduce`` on cupy buffers), ``gradcomm.Allreduce`` with a compressor and error
-feedback, and the DDP comm hook on a model on the device.
+feedback, the compressed path of the public API (staged for the codecs, result back on
+the device), the byte copies ``wrap()`` stages device buffers with
+(``_array.copy_to_host`` / ``copy_from_host`` / ``byte_view``), ``wrap()``'s routes
+(direct on a transport that moves device buffers, else staged) in-process on COMM_SELF and
+under mpirun, and the DDP comm hook on a model on the device.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ def make(place: str, values: np.ndarray, dtype: str):
         import cupy
 
         return cupy.asarray(values.astype(dtype))
-    t = torch.from_numpy(values).to(_TORCH_DT[dtype])
+    t = torch.from_numpy(values.copy()).to(_TORCH_DT[dtype])       # never shares values
     return t.cuda() if place == "torch-cuda" else t
 
 
@@ -179,20 +183,46 @@ def test_Allreduce_object_with_compressor_and_error_feedback(place):
         np.testing.assert_allclose(y, np.linspace(0, 1, 40) * 1.5 + step, atol=2e-2)
 
 
-def wrap_device_allreduce(place: str) -> list[float]:
-    """On every MPI rank: wrap(COMM_WORLD).Allreduce of a device array (in place and out
-    of place); staged through host memory unless the MPI is CUDA-aware."""
+def wrap_device_allreduce(place: str) -> dict:
+    """On every MPI rank: wrap(COMM_WORLD).Allreduce of device arrays (in place, out of
+    place, ``[buf, count, type]``, 16-bit floats, compressed); reduced on the device if the
+    MPI is CUDA-aware, else staged through host memory. Returns values and gradcomm's
+    bytes sent (nonzero: gradcomm handled the calls, not MPI's own Allreduce)."""
     from mpi4py import MPI
 
-    from gradcomm.integrations.mpi import wrap
+    from gradcomm.integrations.mpi import _plan, wrap
 
     comm = wrap(MPI.COMM_WORLD, algorithm="ring")
+    t = comm.gradcomm_transport
     r = comm.Get_rank()
+    out: dict = {}
     x = make(place, np.arange(5, dtype=np.float64) + r, "float32")
+    plan = _plan(MPI, comm, MPI.IN_PLACE, x, MPI.SUM)
+    out["route"] = comm._gradcomm_route(*plan)
+    out["cuda_aware"] = "cuda" in t.devices
     comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM)
     y = make(place, np.zeros(5), "float32")
     comm.Allreduce(x, y, op=MPI.MAX)
-    return host(x).tolist() + host(y).tolist()
+    out["sum_max"] = host(x).tolist() + host(y).tolist()
+    c = make(place, np.full(6, r + 1.0), "float64")
+    comm.Allreduce(MPI.IN_PLACE, [c, 4, MPI.DOUBLE])              # the rest stays
+    out["count"] = host(c).tolist()
+    h = make(place, np.full(7, r + 0.5), "float16")
+    comm.Allreduce(MPI.IN_PLACE, h)
+    out["float16"] = host(h).tolist()
+    if place.startswith("torch"):
+        b = make(place, np.full(3, r + 1.5), "bfloat16")
+        bo = make(place, np.zeros(3), "bfloat16")
+        comm.Allreduce(b, bo)
+        out["bfloat16"] = host(bo).tolist()
+    out["gradcomm_bytes"] = t.stats.bytes_sent
+    cc = wrap(MPI.COMM_WORLD, algorithm="ring", compressor="fp16")
+    g = make(place, np.full(4096, r + 1.0), "float32")
+    cc.Allreduce(MPI.IN_PLACE, g)
+    out["compressed"] = [float(v) for v in np.unique(host(g))]
+    out["compressed_route"] = cc._gradcomm_route(*_plan(MPI, cc, MPI.IN_PLACE, g, MPI.SUM))
+    out["where"] = list(where(g))
+    return out
 
 
 @pytest.mark.parametrize("place", PLACES[2:])    # host arrays: tests/integrations/test_mpi_wrap.py
@@ -201,7 +231,135 @@ def test_wrap_accepts_device_arrays_under_mpirun(place):
 
     require_mpi()
     for out in mpi_call(wrap_device_allreduce, 2, place, timeout=90):
-        assert out == (2 * np.arange(5) + 1.0).tolist() * 2
+        assert out["route"] == ("direct" if out["cuda_aware"] and CUPY else "staged")
+        assert out["sum_max"] == (2 * np.arange(5) + 1.0).tolist() * 2
+        assert out["count"] == [3.0] * 4 + [out["count"][4]] * 2
+        assert out["float16"] == [2.0] * 7
+        assert out.get("bfloat16", [4.0] * 3) == [4.0] * 3
+        assert out["gradcomm_bytes"] > 0
+        assert out["compressed"] == [3.0] and out["compressed_route"] == "staged"
+        assert out["where"][1].startswith("cuda")
+
+
+@pytest.mark.parametrize("place", PLACES)
+def test_byte_copies_between_any_array_and_host(place):
+    """The copies wrap() stages with: same bytes as the host array, partial counts,
+    writes in place into existing arrays (the rest untouched), clear errors."""
+    from gradcomm.errors import ConfigError
+
+    for dt in dtypes_for(place):
+        vals = np.arange(10, dtype=np.float64) - 3
+        x = make(place, vals, dt)
+        want = _array.host_view(make("torch-cpu" if place.startswith("torch") else "numpy",
+                                     vals, dt)).view(np.uint8)
+        got = _array.copy_to_host(x)
+        assert got.dtype == np.uint8 and got.tobytes() == want.tobytes(), dt
+        got[...] = 0                                          # a copy, not a view
+        assert _array.copy_to_host(x).tobytes() == want.tobytes()
+        k = want.size // 10 * 4
+        assert _array.copy_to_host(x, k).tobytes() == want[:k].tobytes()
+        assert _array.copy_to_host(x, 0).size == 0
+        with pytest.raises(ConfigError, match="bytes"):
+            _array.copy_to_host(x, want.size + 1)
+        other = _array.copy_to_host(make(place, vals * 2, dt), k)
+        _array.copy_from_host(x, other)                       # first 4 elements replaced
+        assert np.array_equal(host(x), np.concatenate([vals[:4] * 2, vals[4:]])), dt
+        with pytest.raises(ConfigError, match="bytes"):
+            _array.copy_from_host(x, np.zeros(want.size + 1, np.uint8))
+        assert where(x)[1] == ("cpu" if place in ("numpy", "torch-cpu") else where(x)[1])
+    m = make(place, np.arange(12.0).reshape(3, 4), "float32")
+    assert _array.is_contiguous(m) and not _array.is_contiguous(m.T)
+    if place not in ("numpy", "torch-cpu"):
+        with pytest.raises(ConfigError, match="contiguous"):
+            _array.copy_to_host(m.T)
+        with pytest.raises(ConfigError, match="contiguous"):
+            _array.copy_from_host(m.T, np.zeros(4, np.uint8))
+    if place in ("numpy", "torch-cpu") or CUPY:              # byte_view of a device: cupy
+        v = _array.byte_view(m)
+        assert v.dtype == np.uint8 and v.size == 48
+        v[:4] = 255                                           # shares m's memory
+        assert np.isnan(host(m)[0, 0])
+
+
+@pytest.mark.parametrize("place", PLACES)
+def test_wrap_routes_and_reduces_every_array_kind_on_comm_self(place):
+    """On one rank nothing crosses MPI, so claiming a CUDA-aware MPI is safe anywhere:
+    host memory is reduced in place; device memory directly where the transport moves
+    device buffers (and cupy runs), else staged; compressed sums staged. Both routes
+    write the user's arrays in place (IN_PLACE, send/recv, ``[buf, count, type]``)."""
+    from tests._launch import require_mpi
+
+    require_mpi()
+    from mpi4py import MPI
+
+    from gradcomm.integrations.mpi import _plan, wrap
+
+    comm = wrap(MPI.COMM_SELF, algorithm="ring")
+    device = place not in ("numpy", "torch-cpu")
+    x = make(place, np.arange(6.0), "float32")
+    plan = _plan(MPI, comm, MPI.IN_PLACE, x, MPI.SUM)
+    assert (plan[1].view is None) == device and plan[1].obj is x
+    assert comm._gradcomm_route(*plan) == ("staged" if device and "cuda" not in
+                                           comm.gradcomm_transport.devices else "direct")
+    comm.gradcomm_transport.devices = frozenset({"cpu", "cuda"})
+    assert comm._gradcomm_route(*plan) == ("staged" if device and not CUPY else "direct")
+    cc = wrap(MPI.COMM_SELF, compressor="fp16")
+    cc.gradcomm_transport.devices = frozenset({"cpu", "cuda"})
+    assert cc._gradcomm_route(*_plan(MPI, cc, MPI.IN_PLACE, x, MPI.SUM)) == \
+        ("staged" if device else "direct")
+    assert _plan(MPI, comm, MPI.IN_PLACE, make(place, np.ones((2, 3)), "float32").T,
+                 MPI.SUM) is None                            # non-contiguous: MPI's own
+    for c in (comm, cc):
+        for route in (None, "direct", "staged"):
+            if route == "direct" and device and not CUPY:
+                continue
+            y = make(place, np.arange(6.0) + 1, "float32")
+            c._gradcomm_allreduce(MPI.IN_PLACE, y, MPI.SUM, route=route)
+            assert host(y).tolist() == (np.arange(6.0) + 1).tolist()
+            s, r = make(place, np.full(5, 2.0), "float64"), make(place, np.zeros(5), "float64")
+            c._gradcomm_allreduce([s, 3, MPI.DOUBLE], [r, 3, MPI.DOUBLE], MPI.MAX, route=route)
+            assert host(r).tolist() == [2.0] * 3 + [0.0] * 2 and where(r) == where(s)
+            for dt in dtypes_for(place):
+                h = make(place, np.arange(4.0), dt)
+                c._gradcomm_allreduce(MPI.IN_PLACE, h, MPI.SUM, route=route)
+                assert host(h).tolist() == [0.0, 1.0, 2.0, 3.0] and where(h) == where(x)
+
+
+@pytest.mark.parametrize("place", PLACES)
+@pytest.mark.parametrize("devices", [("cpu",), ("cpu", "cuda")])
+def test_compressed_public_api_stages_and_returns_the_same_kind(place, devices):
+    """gradcomm.allreduce / allreduce_ / Allreduce with a codec: staged to host for the
+    codec whatever the transport moves, the result on the input's kind, device, dtype and
+    shape; bfloat16, non-contiguous inputs, sparse routes."""
+    topk = "topk" in gradcomm.compressors.names()
+
+    def fn(t):
+        t.devices = frozenset(devices)
+        outs = []
+        for dt in [d for d in dtypes_for(place) if d != "int32"]:
+            x = make(place, np.arange(12, dtype=np.float64).reshape(3, 4) * (t.rank + 1), dt)
+            ys = [gradcomm.allreduce(x, t, compressor="fp16", algorithm="ring"),
+                  gradcomm.allreduce(x.T, t, compressor="fp16"),
+                  gradcomm.allreduce(x, t, algorithm="sparse_allgather")]
+            if topk:
+                ys.append(gradcomm.allreduce(x, t, compressor="topk", ratio=1.0,
+                                             algorithm="allgather"))
+            ar = gradcomm.Allreduce(t, op="sum", compressor="fp16", algorithm="ring")
+            ys += [ar(x, key="a"), ar(x, key="a")]
+            z = make(place, np.arange(12, dtype=np.float64).reshape(3, 4) * (t.rank + 1), dt)
+            assert gradcomm.allreduce_(z, t, compressor="fp16") is z
+            ys.append(z)
+            for i, y in enumerate(ys):
+                assert where(y) == where(x) and y.dtype == x.dtype, (dt, i)
+                outs.append((dt, i, tuple(y.shape), host(y)))
+        return outs
+
+    base = np.arange(12, dtype=np.float64).reshape(3, 4) * 3
+    for outs in run_ranks(2, fn, timeout=60):
+        for dt, i, shape, y in outs:
+            want = base.T if i == 1 else base
+            assert shape == want.shape, (dt, i)
+            np.testing.assert_array_equal(y, want, err_msg=f"{place} {dt} {i}")
 
 
 def _one_rank_group():

@@ -270,8 +270,9 @@ def _storage_of(obj: Any) -> tuple[Any, np.ndarray | None, int, str] | None:
             if meta.device == "cpu":
                 raw = _array.host_view(obj).view(np.uint8)
                 return obj, raw, raw.size, meta.dtype
-            if meta.dtype not in _HANDLED or not _array.is_contiguous(obj):
-                return None
+            if not meta.device.startswith("cuda") or meta.dtype not in _HANDLED or \
+                    not _array.is_contiguous(obj):
+                return None                        # e.g. MPS tensors: MPI's own
             return obj, None, meta.count * storage(meta.dtype).itemsize, meta.dtype
         arr = np.asarray(memoryview(obj))          # bytearray, array.array, memoryview...
         if not arr.flags.c_contiguous:
@@ -327,6 +328,8 @@ def _direct_view(buf: _Buf, dtype: str) -> Any:
     if buf.view is not None:
         return buf.view
     st = storage(dtype)
+    if buf.count == 0:                             # nothing to move: skip the DLPack view
+        return np.empty(0, st)
     return _array.byte_view(buf.obj)[:buf.count * st.itemsize].view(st)
 
 

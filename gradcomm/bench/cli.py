@@ -111,6 +111,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="extra mpiexec arguments when run bare, e.g. '--bind-to none'")
     p.add_argument("--codecs", action="store_true",
                    help="measure compressor encode/decode throughput instead (one process)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="first measure the cost model's constants (alpha, beta, gamma, the "
+                        "native allreduce, codecs) for this transport and rank count, save "
+                        "the profile and use it; the sweep follows only with --sizes")
+    p.add_argument("--calibrate-max", default="8MiB",
+                   help="largest message size --calibrate measures (8MiB)")
+    p.add_argument("--calibrate-iters", type=int, default=50,
+                   help="timed iterations per calibration size up to 1 MiB, fewer above (50)")
+    p.add_argument("--profile", metavar="FILE",
+                   help="the profile to save (--calibrate) or use; default: $GRADCOMM_PROFILE "
+                        "or ~/.cache/gradcomm/profile-<transport>-<ranks>.json")
     return p
 
 
@@ -156,6 +167,14 @@ def make_plan(args: argparse.Namespace, baseline: str | None) -> Plan:
         args.iters = 100
     if min(args.iters, args.min_iters) < 1 or args.warmup < 0:
         raise ConfigError("--iters and --min-iters must be >= 1 and --warmup >= 0")
+    if args.calibrate:
+        if args.calibrate_iters < 1:
+            raise ConfigError("--calibrate-iters must be >= 1")
+        parse_size(args.calibrate_max)
+    elif args.profile:                        # every rank reads it: fail alike, before ranks meet
+        from ..collectives.costmodel import Profile
+
+        Profile.load(args.profile)
     sizes = parse_sizes(args.sizes) if args.sizes else \
         default_sizes(parse_size(args.min_bytes), parse_size(args.max_bytes))
     have = available_algorithms()
@@ -248,15 +267,26 @@ def rank_main(t: Any, args: argparse.Namespace, plan: Plan, baseline: Baseline |
         printer = report.Printer(progress=args.progress)
         for line in _banner(env, plan):
             printer.line(line)
+    profile = _profile(t, args, printer)
+    if t.rank == 0 and profile is not None:
+        env["profile"] = {"digest": profile.digest(), "info": profile.info}
+    if args.calibrate and not args.sizes:
+        if printer is not None:
+            printer.close()
+        return []
     try:
-        rows = sweep(t, plan, baseline, printer)
+        rows = sweep(t, plan, baseline, printer, profile)
     finally:
         if printer is not None:
             printer.close()
     if t.rank != 0:
         return rows
     report.add_compression_ratios(rows)
-    summary = report.summarize(rows, baseline.name if baseline else None)
+    from ..collectives.auto import select
+
+    base_op = "sum" if plan.op == "mean" else plan.op
+    choice = {s: select(t, s, plan.dtype, base_op, native=True) for s in plan.sizes}
+    summary = report.summarize(rows, baseline.name if baseline else None, choice)
     print(report.summary_line(summary), flush=True)
     if hasattr(os, "getloadavg"):
         env["loadavg_end"] = list(os.getloadavg())
@@ -271,6 +301,41 @@ def rank_main(t: Any, args: argparse.Namespace, plan: Plan, baseline: Baseline |
         report.write_plot(args.plot, rows, title)
         print(f"# wrote {args.plot}", flush=True)
     return rows
+
+
+def _profile(t: Any, args: argparse.Namespace, printer: Any) -> Any:
+    """Calibrate (``--calibrate``) or load the profile, and make every rank adopt the same
+    one (collective). Returns it (None: no profile, the built-in table)."""
+    from ..collectives import auto
+
+    if args.calibrate:
+        from .calibrate import calibrate, describe, save_and_adopt
+
+        path = args.profile or auto.profile_path(t)
+        step = (lambda what: printer.step(f"calibrating: {what}")) if printer else None
+        prof = calibrate(t, max_bytes=parse_size(args.calibrate_max),
+                         iters=args.calibrate_iters, progress=step)
+        prof = save_and_adopt(t, prof, path)
+        if printer is not None and prof is not None:
+            for line in describe(prof):
+                printer.line(line)
+            printer.line(f"# saved profile: {path}" if path else
+                         "# profile not saved (GRADCOMM_PROFILE=none)")
+            printer.line("# auto picks: " + ", ".join(
+                f"{_human_size(s)} {auto.select(t, s, 'float32', 'sum', native=True)}"
+                for s in (4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20)))
+        return prof
+    if args.profile:
+        auto.use_profile(t, args.profile)     # validated by make_plan on every rank
+    prof = auto.agree_profile(t)
+    if printer is not None and prof is not None:
+        printer.line(f"# using profile {prof.digest():x} ({prof.info.get('date', '?')}): "
+                     "pred(us) is the cost model's time")
+    return prof
+
+
+def _human_size(n: int) -> str:
+    return report._size(n)
 
 
 def _env_rank() -> int:

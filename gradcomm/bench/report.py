@@ -5,12 +5,13 @@ Example:
     >>> r = Row(4096, 1024, "float32", "sum", "ring", None, True, "ring", 10, 1, 20.0, 19.0,
     ...         21.0, 20.0, 22.0, 0.2048, 0.2048, 4096.0, 2.0, None, 0)
     >>> print(format_row(r))  # doctest: +NORMALIZE_WHITESPACE
-    4096  1024  float32  ring  -  yes  10  20.0  19.0  21.0  20.0  22.0  0.20  0.20  4096  -  0
+    4096  1024  float32  ring  -  yes  10  20.0  19.0  21.0  20.0  22.0  -  0.20  0.20  4096  -  0
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from typing import Any, Sequence, TextIO
 
@@ -23,6 +24,7 @@ COLUMNS: tuple[tuple[str, int, str], ...] = (
     ("algorithm", 19, "algorithm"), ("compressor", 16, "compressor"), ("check", 5, "check"),
     ("iters", 5, "iters"), ("avg(us)", 10, "avg_us"), ("min(us)", 10, "min_us"),
     ("max(us)", 10, "max_us"), ("p50(us)", 10, "p50_us"), ("p95(us)", 10, "p95_us"),
+    ("pred(us)", 10, "pred_us"),
     ("algbw(GB/s)", 11, "algbw_gbs"), ("busbw(GB/s)", 11, "busbw_gbs"),
     ("wire(B/rank)", 12, "wire_bytes"), ("rel_err", 8, "rel_err"), ("#wrong", 6, "wrong"),
 )
@@ -55,7 +57,7 @@ def format_row(row: Row) -> str:
         return f"# {row.size:>10} {row.label}: {row.note}"
     cells = []
     for _, w, a in COLUMNS:
-        text = _cell(a, getattr(row, a))
+        text = _cell(a, row.extra.get(a) if a == "pred_us" else getattr(row, a))
         if a == "compressor" and row.compressor is not None:
             text = row.label.split("+")[1]          # with its options, e.g. topk,ratio=0.01
         cells.append(f"{text:>{w}}")
@@ -150,13 +152,19 @@ def _reference(rows: Sequence[Row], baseline: str | None) -> str:
     return "native"
 
 
-def summarize(rows: Sequence[Row], baseline: str | None = None) -> dict[str, Any]:
+def summarize(rows: Sequence[Row], baseline: str | None = None,
+              auto_choice: dict[int, str] | None = None) -> dict[str, Any]:
     """Best gradcomm vs the reference (the raw baseline if measured, else ``native``):
     busbw at the largest size, the worst busbw ratio over 16–64 MiB (issue 2's target
     window) and median latency at 4 KiB (else at the smallest size measured).
 
     "Best gradcomm" is the best dense algorithm called as users call it (with the check),
-    excluding the ``native`` pass-through; only rows with ``#wrong`` 0 count."""
+    excluding the ``native`` pass-through; only rows with ``#wrong`` 0 count.
+
+    ``auto_choice`` (size -> the algorithm ``auto`` picks there) adds how often that is
+    the measured fastest of the checked dense rows (``native`` included) at sizes where
+    two or more were measured, and how often it is within 10 % of it. Rows with a model
+    prediction add the median relative error of the predictions."""
     ref = _reference(rows, baseline)
     by_size: dict[int, list[Row]] = {}
     for r in rows:
@@ -199,7 +207,28 @@ def summarize(rows: Sequence[Row], baseline: str | None = None) -> dict[str, Any
                                     "ratio": pr[0].p50_us / pr[1].p50_us}  # type: ignore
             if small == 4096:
                 lat.update(target=2.0, met=lat["ratio"] <= 2.0)
+    if auto_choice:
+        out["auto"] = _auto_hits(by_size, auto_choice)
+    errs = [abs(r.extra["pred_us"] / r.p50_us - 1) for r in rows
+            if _ok(r) and r.extra.get("pred_us") and r.p50_us]
+    if errs:
+        out["model"] = {"rows": len(errs), "median_rel_error": float(statistics.median(errs))}
     return out
+
+
+def _auto_hits(by_size: dict[int, list[Row]], choice: dict[int, str]) -> dict[str, Any]:
+    detail = []
+    for size in sorted(by_size):
+        cands = [r for r in by_size[size] if r.compressor is None and r.check is True
+                 and r.algorithm != "auto" and r.p50_us]
+        picked = [r for r in cands if r.algorithm == choice.get(size)]
+        if len(cands) < 2 or not picked:
+            continue
+        best = min(cands, key=lambda r: r.p50_us)   # type: ignore[arg-type, return-value]
+        detail.append({"size": size, "auto": picked[0].algorithm, "best": best.algorithm,
+                       "slowdown": picked[0].p50_us / best.p50_us})  # type: ignore[operator]
+    return {"sizes": len(detail), "best": sum(d["auto"] == d["best"] for d in detail),
+            "within_10pct": sum(d["slowdown"] <= 1.1 for d in detail), "detail": detail}
 
 
 def summary_line(s: dict[str, Any]) -> str:
@@ -218,6 +247,13 @@ def summary_line(s: dict[str, Any]) -> str:
         parts.append(f"{_size(g['size'])}: best latency {g['p50_us']:.1f} us ({g['best']}) = "
                      f"{g['ratio']:.2f}x {s['reference']} ({g['reference_p50_us']:.1f} us"
                      f"{target})")
+    if s.get("auto", {}).get("sizes"):
+        g = s["auto"]
+        parts.append(f"auto picks the measured best at {g['best']}/{g['sizes']} sizes "
+                     f"(within 10 % at {g['within_10pct']})")
+    if "model" in s:
+        parts.append(f"model error median {s['model']['median_rel_error'] * 100:.0f} % "
+                     f"({s['model']['rows']} rows)")
     parts.append(f"#wrong {s['wrong']}")
     return "# summary: " + "; ".join(parts)
 

@@ -37,6 +37,7 @@ import numpy as np
 
 from .. import _array
 from .._dtypes import storage
+from ..collectives.costmodel import Profile
 from ..comm.base import TAG_USER, Transport
 from ..errors import UnsupportedError
 from . import data
@@ -157,10 +158,12 @@ def iterations(size: int, plan: Plan) -> tuple[int, int]:
 
 
 def sweep(t: Transport, plan: Plan, baseline: Baseline | None = None,
-          reporter: Reporter | None = None) -> list[Row]:
+          reporter: Reporter | None = None, profile: Profile | None = None) -> list[Row]:
     """Measure every (size, variant) of ``plan`` on every rank; rows on rank 0 only.
 
-    ``reporter`` (rank 0) gets progress and each row as soon as it is measured.
+    ``reporter`` (rank 0) gets progress and each row as soon as it is measured. With a
+    ``profile`` (the one the ranks agreed on) each dense row carries the model's
+    prediction in ``extra["pred_us"]``.
     """
     itemsize = storage(plan.dtype).itemsize
     sizes = [s for s in plan.sizes if s // itemsize > 0]
@@ -175,10 +178,37 @@ def sweep(t: Transport, plan: Plan, baseline: Baseline | None = None,
                 reporter.step(f"{_human(count * itemsize)} {v.label}")
             row = _measure(t, plan, v, count, baseline, expected)
             if t.rank == 0:
+                pred = predicted(t, profile, v, row.size, plan.dtype, plan.op)
+                if pred is not None and not row.note:
+                    row.extra["pred_us"] = pred * 1e6
                 rows.append(row)
                 if reporter is not None:
                     reporter.row(row)
     return rows
+
+
+def predicted(t: Transport, profile: Profile | None, v: Variant, size: int, dtype: str,
+              op: str) -> float | None:
+    """The model's seconds for one call of variant ``v`` (None: no profile, compressed,
+    or a native allreduce the transport cannot do for this dtype). The baseline is the
+    library's allreduce alone; gradcomm rows add the call overhead, the check and the
+    input copy; ``auto`` is predicted for the algorithm it picks."""
+    if profile is None or v.compressor is not None:
+        return None
+    base_op = "sum" if op == "mean" else op
+    if v.baseline:
+        alg = "native"
+    elif v.algorithm == "auto":
+        from ..collectives.auto import select
+
+        alg = select(t, size, dtype, base_op, native=v.check or t.native_bounded)
+    else:
+        alg = v.algorithm
+    if alg == "native" and not t.native_supports(dtype, base_op):
+        return None
+    if v.baseline:
+        return profile.predict("native", size, t.size, dtype)
+    return profile.call_time(alg, size, t.size, dtype, check=v.check)
 
 
 def _measure(t: Transport, plan: Plan, v: Variant, count: int, baseline: Baseline | None,

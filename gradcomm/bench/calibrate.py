@@ -1,0 +1,220 @@
+"""``python -m gradcomm.bench --calibrate``: measure the cost model's constants here.
+
+Every rank takes part; the times are medians over iterations of the slowest rank (barrier,
+then ``perf_counter``), as in the benchmark. What is measured, for the transport and rank
+count at hand:
+
+* α and β: one ``t.sendrecv`` (send to the right neighbour while receiving from the left,
+  every rank at once, as in a ring step) at sizes 8 B … ``max_bytes``, fitted as
+  ``α + β·n`` by least squares on relative error;
+* γ and δ: ``Reducer.combine`` (sum) on every rank at once, fitted as ``δ + γ·n`` for
+  float32 at several sizes; γ of every other dtype from two sizes;
+* ``native``: the transport's own allreduce (float32 sum) at the same sizes, kept as
+  points (where the transport has one);
+* ``overhead``: a whole ``gradcomm.allreduce(check=False)`` of 8 bytes minus the bare
+  recursive doubling inside it; ``check``: the argument check alone; ``copy``: seconds
+  per byte of copying an array (the call's input copy);
+* codecs: encode/decode seconds per input byte of each codec on 1 MiB of float32
+  (:func:`gradcomm.bench.codecs.codec_throughput`, rank 0).
+
+Rank 0 builds the :class:`~gradcomm.collectives.costmodel.Profile`, saves it, and the
+ranks adopt it (:func:`~gradcomm.collectives.auto.agree_profile`), so ``auto`` in the same
+run already uses it.
+
+Example:
+    >>> from gradcomm.comm import run_ranks
+    >>> prof = run_ranks(2, lambda t: calibrate(t, max_bytes=4096, iters=3, codecs=False))[0]
+    >>> (prof.transport, prof.ranks, prof.alpha > 0, len(prof.native) > 0)
+    ('threads', 2, True, True)
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import socket
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from .._dtypes import STORAGE, storage
+from ..collectives.costmodel import Profile
+from ..comm.base import TAG_DATA, Transport
+from .overhead import _timed as _timed_us
+
+#: the sizes measured are powers of 8 from 8 bytes up to ``max_bytes`` (and it)
+MAX_BYTES = 8 << 20
+
+
+def sizes_upto(max_bytes: int) -> list[int]:
+    """8, 64, 512, … up to ``max_bytes``, plus ``max_bytes`` itself.
+
+    Example:
+        >>> sizes_upto(5000)
+        [8, 64, 512, 4096, 5000]
+    """
+    out, s = [], 8
+    while s < max_bytes:
+        out.append(s)
+        s *= 8
+    return out + [max(8, max_bytes)]
+
+
+def _timed(t: Transport, fn: Callable[[], Any], iters: int, warmup: int) -> float | None:
+    """Median of the slowest rank's seconds (rank 0; None elsewhere)."""
+    us = _timed_us(t, fn, iters, warmup)
+    return None if us is None else us * 1e-6
+
+
+def _iters(size: int, iters: int) -> int:
+    return max(3, min(iters, int(iters * (1 << 20) / max(size, 1))))
+
+
+def fit_linear(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """``(a, b)`` ≥ 0 with ``a + b·x`` ≈ ``y``, least squares on the relative error.
+
+    Example:
+        >>> a, b = fit_linear([8, 1000, 100000], [1e-5 + 8e-9, 1e-5 + 1e-6, 1e-5 + 1e-4])
+        >>> round(a * 1e6, 3), round(b * 1e9, 3)
+        (10.0, 1.0)
+    """
+    x, y = np.asarray(xs, float), np.asarray(ys, float)
+    if len(x) == 1:
+        return float(y[0]), 0.0
+    w = 1.0 / np.maximum(y, 1e-12)
+    (a, b), *_ = np.linalg.lstsq(np.stack([w, x * w], axis=1), np.ones_like(x), rcond=None)
+    if b < 0:
+        return float(np.median(y)), 0.0
+    if a < 0:
+        b = float(np.median(y / x))
+        return 0.0, b
+    return float(a), float(b)
+
+
+def calibrate(t: Transport, *, max_bytes: int = MAX_BYTES, iters: int = 50,
+              codecs: bool = True, progress: Callable[[str], None] | None = None
+              ) -> Profile | None:
+    """Measure the constants (every rank) and return the profile (rank 0; None elsewhere).
+
+    The profile is not saved or adopted here: see :func:`save_and_adopt`.
+    """
+    from .. import allreduce
+    from ..collectives import algorithm
+    from ..collectives._check import agree
+    from ..collectives._reduce import Reducer
+
+    def say(what: str) -> None:
+        if progress is not None and t.rank == 0:
+            progress(what)
+
+    sizes = sizes_upto(max_bytes)
+    right, left = (t.rank + 1) % t.size, (t.rank - 1) % t.size
+    times: dict[str, list[float | None]] = {"sendrecv": [], "native": []}
+    native_ok = t.native_supports("float32", "sum")
+    for s in sizes:
+        n = max(1, s // 4)
+        x, y = np.ones(n, np.float32), np.empty(n, np.float32)
+        k = _iters(s, iters)
+        say(f"exchange {s} B")
+        if t.size > 1:
+            times["sendrecv"].append(_timed(t, lambda: t.sendrecv(x, right, y, left, TAG_DATA),
+                                            k, max(1, k // 10)))
+        if native_ok:
+            say(f"native allreduce {s} B")
+            times["native"].append(_timed(t, lambda: t.native_allreduce(y, "sum", "float32"),
+                                          k, max(1, k // 10)))
+
+    say("reductions")
+    red_sizes = [s for s in (64, 4096, 256 << 10, 2 << 20) if s <= max(max_bytes, 4096)]
+    combine: dict[str, list[float | None]] = {}
+    for dtype in STORAGE:
+        dt_sizes = red_sizes if dtype == "float32" else [red_sizes[0], red_sizes[-1]]
+        combine[dtype] = []
+        for s in dt_sizes:
+            a = np.zeros(max(1, s // storage(dtype).itemsize), storage(dtype))
+            b, r = a.copy(), Reducer("sum", dtype)
+            k = _iters(s, iters)
+            combine[dtype].append(_timed(t, lambda: r.combine(a, b, a), k, 1))
+
+    say("per-call overhead")
+    x8 = np.ones(2, np.float32)
+    buf8 = x8.copy()
+    rd = algorithm("recursive_doubling")
+    red = Reducer("sum", "float32")
+    k = max(iters, 20)
+    t_raw = _timed(t, lambda: rd(t, buf8, red), k, 5)
+    t_call = _timed(t, lambda: allreduce(x8, t, algorithm="recursive_doubling", check=False),
+                    k, 5)
+    t_check = _timed(t, lambda: agree(t, "allreduce", count=2, dtype="float32", op="sum",
+                                      algorithm="auto"), k, 5)
+    big = np.ones(1 << 20, np.float32)
+    t_copy = _timed(t, lambda: big.copy(), max(5, iters // 5), 1)
+
+    rows: list[dict[str, Any]] = []
+    codec_note = "not measured"
+    if codecs and t.rank == 0:
+        say("codecs")
+        try:
+            from .codecs import codec_throughput
+
+            rows = codec_throughput(n=1 << 18, repeats=3)
+            codec_note = "1 MiB float32, median of 3"
+        except Exception as exc:  # noqa: BLE001 - codecs are optional in a profile
+            codec_note = f"failed: {type(exc).__name__}: {exc}"
+    t.barrier()
+    if t.rank != 0:
+        return None
+
+    if t.size > 1:
+        alpha, beta = fit_linear(sizes, times["sendrecv"])     # type: ignore[arg-type]
+    else:
+        alpha = beta = 0.0
+    delta, g32 = fit_linear(red_sizes, combine["float32"])   # type: ignore[arg-type]
+    gamma = {"float32": g32}
+    for dtype, ts in combine.items():
+        if dtype != "float32":
+            lo, hi = red_sizes[0], red_sizes[-1]
+            slope = (ts[-1] - ts[0]) / (hi - lo) if hi > lo else g32  # type: ignore[operator]
+            gamma[dtype] = max(0.0, slope)
+    native = [[float(s), float(v)] for s, v in zip(sizes, times["native"])]  # type: ignore
+    return Profile(
+        t.name, t.size, alpha, beta, gamma, delta, native,
+        overhead=max(0.0, t_call - t_raw),                       # type: ignore[operator]
+        check=(t_check or 0.0) if t.size > 1 else 0.0,
+        copy=(t_copy or 0.0) / big.nbytes,
+        codecs={r["codec"]: {"encode": r["encode_s"] / (r["n"] * 4),
+                             "decode": r["decode_s"] / (r["n"] * 4)} for r in rows},
+        info={"host": socket.gethostname(), "platform": platform.platform(),
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                  timespec="seconds"),
+              "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+              "sizes": sizes, "iters": iters, "codecs": codec_note,
+              "sendrecv_s": times["sendrecv"], "native_s": times["native"]})
+
+
+def save_and_adopt(t: Transport, prof: Profile | None, path: str | None) -> Profile | None:
+    """Rank 0 saves ``prof`` to ``path`` (if given); every rank adopts rank 0's profile
+    (collective). Returns the adopted profile on every rank."""
+    from ..collectives import auto
+
+    if t.rank == 0 and prof is not None and path:
+        prof.save(path)
+    auto.use_profile(t, prof if t.rank == 0 else None)
+    return auto.agree_profile(t)
+
+
+def describe(prof: Profile) -> list[str]:
+    """Human-readable lines (each starting with '#') about a profile."""
+    lines = [f"# profile {prof.transport}, {prof.ranks} ranks: alpha {prof.alpha * 1e6:.2f} us, "
+             f"beta {prof.beta * 1e9:.3f} ns/B ({1 / prof.beta / 1e9 if prof.beta else 0:.2f} "
+             f"GB/s), gamma(float32) {prof.gamma_of('float32') * 1e9:.3f} ns/B, "
+             f"delta {prof.delta * 1e6:.2f} us",
+             f"# call overhead {prof.overhead * 1e6:.2f} us, check {prof.check * 1e6:.2f} us, "
+             f"copy {prof.copy * 1e9:.3f} ns/B; native points: " +
+             (", ".join(f"{int(b)} B {s * 1e6:.1f} us" for b, s in prof.native) or "none")]
+    if prof.codecs:
+        lines.append("# codecs (ns/B encode/decode): " + ", ".join(
+            f"{k} {v['encode'] * 1e9:.2f}/{v['decode'] * 1e9:.2f}"
+            for k, v in prof.codecs.items()))
+    return lines

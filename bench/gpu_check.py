@@ -11,7 +11,9 @@
    it through host memory, then encode + decode, then back to the device), next to a
    device-to-device copy and a device->host->device round trip of the same array, in the
    same run; and the codec called on the device array itself, where it accepts one.
-   Rows: codec, array kind, path, ms per encode+decode round trip, x D2D copy.
+   Rows: codec, array kind, path, ms per encode+decode round trip, x D2D copy. Also the
+   staging copies of ``wrap(comm).Allreduce`` on an MPI that is not CUDA-aware
+   (``_array.copy_to_host`` + ``copy_from_host`` into the same array), next to the D2D copy.
 
 Without a GPU it says so and exits 0 after step 1 (nothing else can run).
 """
@@ -59,6 +61,10 @@ def environment() -> dict:
         env["mpi_cuda_aware"] = cuda_aware()
     except Exception as exc:
         env["mpi_cuda_aware"] = f"unknown ({type(exc).__name__}: {exc})"
+    # wrap(comm).Allreduce of a device array: in place on the device only on a CUDA-aware
+    # MPI with cupy usable (uncompressed sums), else staged through host memory
+    env["wrap_device_route"] = "direct" if env["mpi_cuda_aware"] is True and \
+        env["cupy_cuda"] else "staged"
     return env
 
 
@@ -117,6 +123,13 @@ def time_codecs(kind: str, n: int, repeat: int, deadline: float) -> list[dict]:
     rows = [{"kind": kind, "codec": "d2d copy", "ms": copy_s * 1e3, "x_copy": 1.0},
             {"kind": kind, "codec": "d2h2d copy", "ms": timed(d2h2d, repeat) * 1e3}]
     rows[1]["x_copy"] = rows[1]["ms"] / rows[0]["ms"]
+
+    def staged():                               # what wrap() does around a host reduction
+        _array.copy_from_host(y, _array.copy_to_host(x))
+
+    s = timed(staged, repeat)
+    rows.append({"kind": kind, "codec": "wrap staging", "ms": s * 1e3, "x_copy": s / copy_s,
+                 "path": "copy_to_host + copy_from_host"})
     host_only = frozenset({"cpu"})
     for name in compressors.names():
         if time.perf_counter() > deadline:

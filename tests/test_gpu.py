@@ -195,7 +195,7 @@ def wrap_device_allreduce(place: str) -> dict:
     comm = wrap(MPI.COMM_WORLD, algorithm="ring")
     t = comm.gradcomm_transport
     r = comm.Get_rank()
-    out: dict = {}
+    out: dict = {"rank": r}
     x = make(place, np.arange(5, dtype=np.float64) + r, "float32")
     plan = _plan(MPI, comm, MPI.IN_PLACE, x, MPI.SUM)
     out["route"] = comm._gradcomm_route(*plan)
@@ -233,7 +233,7 @@ def test_wrap_accepts_device_arrays_under_mpirun(place):
     for out in mpi_call(wrap_device_allreduce, 2, place, timeout=90):
         assert out["route"] == ("direct" if out["cuda_aware"] and CUPY else "staged")
         assert out["sum_max"] == (2 * np.arange(5) + 1.0).tolist() * 2
-        assert out["count"] == [3.0] * 4 + [out["count"][4]] * 2
+        assert out["count"] == [3.0] * 4 + [out["rank"] + 1.0] * 2
         assert out["float16"] == [2.0] * 7
         assert out.get("bfloat16", [4.0] * 3) == [4.0] * 3
         assert out["gradcomm_bytes"] > 0
@@ -311,8 +311,8 @@ def test_wrap_routes_and_reduces_every_array_kind_on_comm_self(place):
                  MPI.SUM) is None                            # non-contiguous: MPI's own
     for c in (comm, cc):
         for route in (None, "direct", "staged"):
-            if route == "direct" and device and not CUPY:
-                continue
+            if route == "direct" and device and (not CUPY or c is cc):
+                continue                    # never chosen: compressed sums are staged
             y = make(place, np.arange(6.0) + 1, "float32")
             c._gradcomm_allreduce(MPI.IN_PLACE, y, MPI.SUM, route=route)
             assert host(y).tolist() == (np.arange(6.0) + 1).tolist()
@@ -403,3 +403,27 @@ def test_ddp_hook_on_the_device(place, compressor):
         state.close()
     finally:
         dist.destroy_process_group()
+
+
+def test_gpu_check_script_runs_here(tmp_path, capsys):
+    """bench/gpu_check.py without its pytest step, on a tiny array: reports the
+    environment (and the route wrap() takes for device arrays); on a GPU machine it also
+    times the codecs and the staging copies."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "gpu.json"
+    assert mod.main(["--skip-tests", "--size", "4096", "--repeat", "1",
+                     "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["environment"]["wrap_device_route"] in ("direct", "staged")
+    assert res["gpu"] == (TORCH_CUDA or CUPY)
+    if res["gpu"]:
+        names = {r["codec"] for r in res["codecs"] if "ms" in r}
+        assert {"d2d copy", "wrap staging"} <= names
+    assert "environment:" in capsys.readouterr().out

@@ -181,6 +181,7 @@ class MPITransport(Transport):
             self._abandon([rr])
             raise TransportError(f"rank {self.rank}: cannot send this buffer to rank "
                                  f"{dest}: {exc} (contiguous buffers only)") from None
+        sr = _Req(self, s, None, ns, dest, tag)
         statuses = [rr.status, MPI.Status()]
         raw, testall = [r, s], MPI.Request.Testall
         stop = time.monotonic() + SPIN_SECONDS
@@ -189,12 +190,15 @@ class MPITransport(Transport):
                 if time.monotonic() > stop:
                     break
             else:
-                rr.done = True
+                rr.done = sr.done = True
                 rr.check_size(statuses[0])
                 return
-        except self.MPI.Exception:
-            pass                               # tested one by one below, which names it
-        self.waitall([rr, _Req(self, s, None, ns, dest, tag)])
+        except MPI.Exception as exc:
+            try:
+                self._testall_failed([rr, sr], statuses, exc)
+            finally:
+                self._abandon([rr, sr])
+        self.waitall([rr, sr])
 
     def waitall(self, requests: Sequence[Request], timeout: float | None = None) -> None:
         """Poll until every request completes; on a deadline or an error, cancel the

@@ -16,27 +16,48 @@ A compressed allreduce takes one of three routes, decided per codec and algorith
   A codec told to keep ``k`` elements keeps ``k/n`` of each segment. Measured one-step
   relative errors at p = 4 (allgather → per hop): fp16 1e-4 → 3e-4, int8 0.004 → 0.009,
   qsgd 0.03 → 0.07, topk(0.1) 0.67 → 0.80; with error feedback the running mean's error
-  falls like 1/T (``tests/collectives/test_compressed.py`` prints the table).
-- **allgather**: every rank compresses ``e + g`` once, the payloads (variable sizes) are
-  allgathered, and every rank decodes and sums them in rank order. No re-compression
-  error, but (p−1)·c bytes received per rank.
+  falls like 1/T (``tests/collectives/test_compressed.py`` prints the table). A large
+  ring runs its codec work on a worker thread while messages move
+  (:mod:`~gradcomm.collectives.compressed_ring`).
+- **allgather**: every rank compresses ``e + g`` once into a frame of the size that
+  ``max_nbytes`` fixes (so no size exchange), the frames are allgathered, and every rank
+  decodes and sums them in rank order into the result. No re-compression error, but
+  (p−1)·c bytes sent and received per rank.
 - **sparse_allgather**: as allgather, for codecs whose output is sparse (topk): the
   (index, value) pairs go through :func:`~gradcomm.collectives.sparse_allgather.allreduce`,
   which switches to a dense allreduce when the union gets dense.
 
 Every (compressor, algorithm) pair above works; ``native`` and anything else raise
-UnsupportedError / ConfigError naming the pairs that do. ``algorithm="auto"``:
+UnsupportedError / ConfigError naming the pairs that do.
 
-===========================  ==============================================================
-codec                        choice (c = compressed bytes, d = dense bytes, p ranks)
-===========================  ==============================================================
-summable                     the dense table (``auto.select``) applied to c: recursive
-                             doubling below 64 KiB, else rabenseifner (power-of-two p > 2)
-                             or ring
-gathered, p·c <= 2·d         allgather (sparse_allgather for topk): exact aggregation of
-                             the compressed contributions, no more bytes than a dense ring
-gathered, p·c > 2·d          the dense table applied to c, re-compressing per hop
-===========================  ==============================================================
+``algorithm="auto"`` picks the route with the lowest modelled time (:func:`route_times`):
+``T = α·messages + β·bytes sent + e·elements encoded + g·elements decoded`` per rank,
+for n elements, c = ``max_nbytes`` of the whole buffer, p ranks (q = 2^floor(log2 p),
+k = log2 q, m = ceil(c/p / 512 KiB) chunks per segment):
+
+======================  ==============  ============  ========  ========================
+route                   messages        bytes sent    encoded   decoded
+======================  ==============  ============  ========  ========================
+ring (per hop)          2(p−1)·m        2(p−1)/p·c    n         (2p−1)/p·n
+rabenseifner (per hop)  2k (+2 fold)    2(q−1)/q·c    n         (2q−1)/q·n
+recursive doubling      k (+2 fold)     k·c           (k+1)·n   (2k+1)·n
+tree (per hop)          2·log2(p)·m     2·log2(p)·c   n         2n
+allgather               p−1 (Bruck:     (p−1)·c       n         p·n
+                        ceil(log2 p))
+sparse_allgather        p (Bruck: +1)   (p−1)·c       n         n (zero fill; scatter k·p)
+======================  ==============  ============  ========  ========================
+
+The per-hop candidate is the dense table's choice for c bytes (``auto.select``);
+summable codecs always take it (gathering them only adds decoding). Gathered codecs
+compare it with allgather (sparse_allgather for sparse codecs): e.g. at p = 2 ring and
+allgather send the same bytes and the ring decodes 0.5·n less, but for top-k the sparse
+route decodes nothing but the kept pairs; at p = 4 allgather sends (p−1)·c = 2× the
+ring's bytes, so int8 re-compresses per hop there. α, β and the copy speed come from the
+agreed calibrated profile (``python -m gradcomm.bench --calibrate``) if there is one,
+else :data:`ALPHA`, :data:`BETA`, :data:`COPY_S`; e and g are :data:`CODEC_COST` (in
+copies of one element; a profile's measured codec speeds replace them). Per-hop
+re-compression adds error (measured above); allgather aggregates exactly what each rank
+compressed.
 
 Details shared by the routes: ops ``sum`` and ``mean`` only; floating dtypes only;
 float16 and bfloat16 are widened to float32 for the codecs (float64 stays float64) and
@@ -566,14 +587,82 @@ class CompressedWire:
 
 
 # -- routes -------------------------------------------------------------------------------
+#: (encode, decode) cost per element, in float32 element copies, of each codec's kernels
+#: (``python -m gradcomm.bench --codecs`` at 16 Mi float32, numba path)
+CODEC_COST: dict[str, tuple[float, float]] = {
+    "none": (0.5, 0.5), "fp16": (0.6, 0.6), "bf16": (0.6, 0.6), "int8": (2.4, 1.3),
+    "qsgd": (1.7, 0.75), "terngrad": (1.5, 0.8), "onebit": (1.2, 0.65),
+    "topk": (2.6, 0.75), "randomk": (2.1, 2.1)}
+#: an unknown codec's cost (copies per element)
+DEFAULT_COST = (2.0, 1.0)
+#: seconds per compressed message without a profile (transport, framing, parsing)
+ALPHA = 30e-6
+#: what a compressed message costs beyond a profile's α (framing, parsing, Python)
+WIRE_ALPHA = 20e-6
+#: seconds per byte sent without a profile (between shared memory and 10 Gbit/s)
+BETA = 0.5e-9
+#: seconds per byte of a memory copy without a profile
+COPY_S = 0.1e-9
+
+
+def route_times(p: int, n: int, c: int, itemsize: int, codec: Compressor,
+                per_hop: str, profile: Any = None) -> dict[str, float]:
+    """Modelled seconds of each candidate route (see the module docstring's table).
+
+    Example:
+        >>> from gradcomm import compressors
+        >>> t = route_times(4, 10**6, 10**6, 4, compressors.get("int8"), "rabenseifner")
+        >>> min(t, key=t.get)
+        'rabenseifner'
+    """
+    a, b, copy = ALPHA, BETA, COPY_S
+    if profile is not None:
+        a, b, copy = profile.alpha + WIRE_ALPHA, profile.beta, profile.copy or COPY_S
+    e, g = (x * copy * itemsize for x in CODEC_COST.get(codec.name, DEFAULT_COST))
+    measured = profile.codecs if profile is not None else {}
+    for spec in sorted(measured):                 # s per float32 byte, measured
+        if spec == codec.name or spec.startswith(codec.name + ":"):
+            e = measured[spec].get("encode", e / itemsize) * itemsize
+            g = measured[spec].get("decode", g / itemsize) * itemsize
+            break
+    q = 1 << (p.bit_length() - 1)
+    k = q.bit_length() - 1
+    fold = 0 if p == q else 1
+    m = max(1, -(-c // p // CHUNK_BYTES))
+    logp = (p - 1).bit_length()
+    # (messages, bytes, encoded elements, decoded elements)
+    shapes = {
+        "ring": (2 * (p - 1) * m, 2 * (p - 1) / p * c, n, (2 * p - 1) / p * n),
+        "rabenseifner": (2 * k + 2 * fold, 2 * (q - 1) / q * c + fold * c, n + fold * n,
+                         (2 * q - 1) / q * n + fold * 2 * n),
+        "recursive_doubling": (k + 2 * fold, k * c + fold * c, (k + 1 + fold) * n,
+                               (2 * k + 1 + 2 * fold) * n),
+        "tree": (2 * logp * m, 2 * logp * c, n, 2 * n),
+    }
+    gather_msgs = logp if p * c < 64 * 1024 else p - 1
+    out = {per_hop: shapes[per_hop] if per_hop in shapes else shapes["ring"]}
+    extra = {}
+    if codec.reduction != "summable":
+        if is_sparse(codec):
+            out["sparse_allgather"] = (gather_msgs + 1, (p - 1) * c, n, 0.0)
+            extra["sparse_allgather"] = copy * itemsize * n      # the zero fill
+        else:
+            out["allgather"] = (gather_msgs, (p - 1) * c, n, p * n)
+    return {name: a * msgs + b * nbytes + e * enc + g * dec + extra.get(name, 0.0)
+            for name, (msgs, nbytes, enc, dec) in out.items()}
+
+
 def _choose(t: Transport, codec: Compressor, n: int, dtype: str, itemsize: int) -> str:
-    """``algorithm="auto"`` (see the module docstring's table)."""
-    from .auto import select
+    """``algorithm="auto"``: the route with the lowest modelled time (on a tie the gathered
+    route, which does not re-compress)."""
+    from .auto import agreed_profile, select
 
     c = max_nbytes(codec, n, dtype)
-    if codec.reduction != "summable" and t.size * c <= 2 * n * itemsize:
-        return "sparse_allgather" if is_sparse(codec) else "allgather"
-    return select(t, c)
+    per_hop = select(t, c)
+    if codec.reduction == "summable":
+        return per_hop
+    times = route_times(t.size, n, c, itemsize, codec, per_hop, agreed_profile(t))
+    return min(times, key=lambda r: (times[r], r == per_hop))    # ties: exact route
 
 
 def segment_codec(codec: Compressor, n: int) -> Compressor:

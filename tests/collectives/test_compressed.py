@@ -428,9 +428,60 @@ def test_auto_table() -> None:
     assert pick("none", 4, 10) == "recursive_doubling"
     assert pick("none", 4, 10 ** 6) == "rabenseifner"
     assert pick("none", 3, 10 ** 6) == "ring"
-    assert pick(Grid(), 4, 10 ** 6) in ("ring", "rabenseifner")    # p·c > 2·d
-    if "topk" in compressors.names():
-        assert pick("topk", 8, 10 ** 6) == "sparse_allgather"
+    assert pick(Grid(), 4, 10 ** 6) in ("ring", "rabenseifner")
+    assert pick("fp16", 2, 10 ** 6) == "ring"                  # summable: per hop
+    # p = 4: allgather would send (p-1)c = 2x the per-hop bytes
+    assert pick("int8", 4, 10 ** 6) == "rabenseifner"
+    assert pick("int8", 3, 10 ** 6) == "ring"
+    # small messages: one exchange, no re-compression beats recursive doubling's rounds
+    assert pick("int8", 2, 1000) == "allgather"
+    assert pick("onebit", 4, 1000) == "allgather"
+    # top-k: the sparse route decodes only the kept pairs
+    assert pick("topk", 2, 10 ** 6) == "sparse_allgather"
+    assert pick("topk", 4, 10 ** 6, ratio=0.01) == "sparse_allgather"
+
+
+def test_auto_follows_the_agreed_profile() -> None:
+    """A calibrated profile's α, β and codec speeds drive the choice: where messages are
+    dear and decoding cheap the gathered route wins at p = 2, on a slow link with a slow
+    decoder the ring, which sends no more and decodes less."""
+    from gradcomm.collectives import auto
+    from gradcomm.collectives.costmodel import Profile
+
+    def pick(alpha, beta, decode):
+        prof = Profile("threads", 2, alpha=alpha, beta=beta, gamma={"float32": 1e-10},
+                       copy=1e-10, codecs={"int8": {"encode": 1e-10, "decode": decode}})
+
+        def fn(t):
+            auto.use_profile(t, prof)
+            auto.agree_profile(t)
+            return C._choose(t, compressors.get("int8"), 10 ** 6, "float32", 4)
+        return run_ranks(2, fn)[0]
+
+    assert pick(1e-3, 1e-10, 1e-12) == "allgather"
+    assert pick(1e-6, 1e-8, 1e-9) in ("ring", "rabenseifner")      # per hop
+
+
+@pytest.mark.parametrize("route", ["ring", "allgather", "rabenseifner"])
+def test_model_bytes_are_the_bytes_sent(route: str) -> None:
+    """The model's bytes column is what the transport counts (frames pad a little)."""
+    p, n = 4, 40_000
+    codec = compressors.get("int8")
+    c = codec.max_nbytes(n)
+
+    def fn(t):
+        t.stats.reset()
+        C.compressed_allreduce(t, _input(t.rank, n), "float32", op="sum", algorithm=route,
+                               compressor=codec, check=False)
+        return t.stats.bytes_sent
+
+    sent = run_ranks(p, fn)
+    times = C.route_times(p, n, c, 4, codec, "ring" if route == "allgather" else route)
+    assert route in times
+    want = {"ring": 2 * (p - 1) / p * c, "rabenseifner": 2 * (p - 1) / p * c,
+            "allgather": (p - 1) * c}[route]
+    for s in sent:
+        assert want <= s <= want * 1.03 + 512, (route, s, want)   # frames, padding
 
 
 # -- the same matrix under mpirun ---------------------------------------------------------

@@ -234,6 +234,10 @@ def to_flat_for(x: Any, devices: frozenset[str] | set[str]) -> tuple[Any, Meta]:
         >>> type(buf).__name__, buf.shape
         ('ndarray', (4,))
     """
+    if type(x) is np.ndarray and x.dtype.isnative:      # the common case, shortest path
+        meta = _numpy_meta(x)
+        y = x.copy()                                     # C order, whatever x's layout
+        return (y if y.ndim == 1 else y.reshape(-1)), meta
     meta = meta_of(x)
     if placement(meta, devices) == "host":
         return _host_copy(x, meta), meta
@@ -286,6 +290,8 @@ def from_device_flat(buf: Any, meta: Meta) -> Any:
     Host buffers go to :func:`from_flat`.
     """
     if isinstance(buf, np.ndarray):
+        if meta.kind == "numpy" and buf.shape == meta.shape:
+            return buf
         return from_flat(buf, meta)
     if meta.kind == "cupy":
         return buf.reshape(meta.shape)

@@ -36,10 +36,9 @@ from ._reduce import Reducer
 _MAX = Reducer("max", "int64")
 #: fields in the native form of the check (the collective's name counts as one)
 NATIVE_FIELDS = 16
-#: distinct argument tuples whose packed codes are kept
+#: distinct argument tuples whose packed codes each transport keeps (and, with them,
+#: whether that transport verified them, for ``once=True``)
 _CACHE_LIMIT = 1024
-#: verified signatures kept per transport for ``once=True``
-_VERIFIED_LIMIT = 4096
 
 
 def _code(name: str, value: Any) -> int:
@@ -55,9 +54,11 @@ def _code(name: str, value: Any) -> int:
 class _Signature:
     """The packed form of one argument tuple, computed once and reused."""
 
-    __slots__ = ("names", "values", "p2p", "native", "native_names", "native_values")
+    __slots__ = ("names", "values", "p2p", "native", "native_names", "native_values",
+                 "p2p_bytes", "native_bytes", "verified")
 
     def __init__(self, collective: str, fields: dict[str, Any]) -> None:
+        self.verified = False               # all ranks agreed on these arguments once
         self.names = ["collective", *fields]
         self.values: list[Any] = [collective, *fields.values()]
         codes = np.array([_code(n, v) for n, v in zip(self.names, self.values)], np.int64)
@@ -74,24 +75,30 @@ class _Signature:
             self.native_names = self.names + [f"argument {i}" for i in range(m, k)]
             self.native_values = self.values + [_ABSENT] * (k - m)
         self.native = np.concatenate([codes, -codes])
+        self.p2p_bytes, self.native_bytes = self.p2p.tobytes(), self.native.tobytes()
 
 
 _HASHED, _ABSENT = object(), object()
-_SIGNATURES: dict[Any, _Signature] = {}
+_AGREED: frozenset[str] = frozenset()
 
 
-def _signature(collective: str, fields: dict[str, Any]) -> tuple[Any, _Signature]:
+def _signature(t: Transport, collective: str, fields: dict[str, Any]) -> _Signature:
+    """This transport's packed form of the arguments (kept per transport, so that each
+    rank's cache, and what it verified, follows that rank's own sequence of calls)."""
+    cache = t.__dict__.get("_gradcomm_signatures")
+    if cache is None:
+        cache = t.__dict__["_gradcomm_signatures"] = {}
     try:
         key: Any = (collective, *fields.items())
-        sig = _SIGNATURES.get(key)
+        sig = cache.get(key)
     except TypeError:                       # an unhashable value: pack it every time
-        return None, _Signature(collective, fields)
+        return _Signature(collective, fields)
     if sig is None:
         sig = _Signature(collective, fields)
-        if len(_SIGNATURES) >= _CACHE_LIMIT:
-            _SIGNATURES.clear()
-        _SIGNATURES[key] = sig
-    return key, sig
+        if len(cache) >= _CACHE_LIMIT:
+            cache.clear()
+        cache[key] = sig
+    return sig
 
 
 def agree(t: Transport, collective: str, *, once: bool = False,
@@ -107,28 +114,20 @@ def agree(t: Transport, collective: str, *, once: bool = False,
     the exchange was skipped (``once``).
     """
     if t.size == 1:
-        return frozenset()
-    key, sig = _signature(collective, fields)
-    verified = None
-    if key is not None:
-        verified = t.__dict__.get("_gradcomm_verified")
-        if verified is None:
-            verified = t.__dict__["_gradcomm_verified"] = set()
-        if once and key in verified:
-            return None
+        return _AGREED
+    sig = _signature(t, collective, fields)
+    if once and sig.verified:
+        return None
     native = t.fast_native
     buf = (sig.native if native else sig.p2p).copy()
     if native:
         t.small_allreduce(buf, "max", "int64")
     else:
         recursive_doubling.allreduce(t, buf, _MAX, tag=TAG_CHECK)
+    if buf.tobytes() == (sig.native_bytes if native else sig.p2p_bytes):
+        sig.verified = True                 # max(c) = c and max(-c) = -c: all equal
+        return _AGREED
     ref = sig.native if native else sig.p2p
-    if buf.tobytes() == ref.tobytes():      # max(c) = c and max(-c) = -c: all equal
-        if verified is not None:
-            if len(verified) >= _VERIFIED_LIMIT:
-                verified.clear()
-            verified.add(key)
-        return frozenset()
     k = len(ref) // 2
     hi, lo = buf[:k], -buf[k:]
     names, values = (sig.native_names, sig.native_values) if native else (sig.names,

@@ -37,13 +37,10 @@ class Reducer:
             raise ConfigError(f"op='mean' needs a floating dtype, got {dtype}; "
                               "use op='sum' and divide")
         self.op, self.dtype = op, dtype
+        #: the op MPI-style libraries run ('mean' is a 'sum' followed by ``finalize``)
+        self.base_op = "sum" if op == "mean" else op
         self._ufunc = _UFUNC[op]
         self.bfloat16 = dtype == "bfloat16"
-
-    @property
-    def base_op(self) -> str:
-        """The op MPI-style libraries run ('mean' is a 'sum' followed by ``finalize``)."""
-        return "sum" if self.op == "mean" else self.op
 
     def combine(self, a: Any, b: Any, out: Any) -> None:
         """``out[...] = a (op) b`` elementwise; ``out`` may alias ``a`` or ``b``."""

@@ -334,12 +334,14 @@ class MPITransport(Transport):
         check, which runs first, does catch an absent rank). float16 and bfloat16 raise
         UnsupportedError: this MPI rejects or silently mis-sums them.
         """
-        datatype, mpi_op = self._mpi_types(dtype, op)
-        self._collectives_usable()
+        types = self._native.get((dtype, op)) or self._mpi_types(dtype, op)
+        if self._stuck:
+            self._collectives_usable()
         if self._cuda:
             _array.sync(buf)
+        comm = self._comm if self._comm is not None else self.comm     # (raises if closed)
         try:
-            self.comm.Allreduce(self.MPI.IN_PLACE, [buf, datatype], mpi_op)
+            comm.Allreduce(self.MPI.IN_PLACE, [buf, types[0]], types[1])
         except self.MPI.Exception as exc:
             raise TransportError(f"rank {self.rank}: MPI_Allreduce failed: "
                                  f"{exc.Get_error_string()}") from None
@@ -348,12 +350,19 @@ class MPITransport(Transport):
         """``MPI_Iallreduce(MPI_IN_PLACE, buf)`` polled with the deadline (DeadlineError
         if a rank does not join; the transport then refuses further collectives). About
         twice ``MPI_Allreduce``'s latency, still well under a point-to-point round."""
-        datatype, mpi_op = self._mpi_types(dtype, op)
-        self._collectives_usable()
+        datatype, mpi_op = self._native.get((dtype, op)) or self._mpi_types(dtype, op)
+        if self._stuck:
+            self._collectives_usable()
         if self.size == 1:
             return
         try:
             req = self.comm.Iallreduce(self.MPI.IN_PLACE, [buf, datatype], mpi_op)
+            stop = time.monotonic() + SPIN_SECONDS
+            while not req.Test():                 # completes within the spin when all joined
+                if time.monotonic() > stop:
+                    break
+            else:
+                return
         except self.MPI.Exception as exc:
             raise TransportError(f"rank {self.rank}: MPI_Iallreduce failed: "
                                  f"{exc.Get_error_string()}") from None

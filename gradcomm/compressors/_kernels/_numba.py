@@ -25,8 +25,6 @@ _F32_NAN = np.float32(np.nan)
 _KEY_PINF = np.int32(0x7F800000)
 _KEY_NINF = np.int32(-0x7F800001)
 _FLT_MAX = float(np.finfo(np.float32).max)
-#: the canonical quiet NaNs, +NaN and -NaN (indexed by the sign bit)
-_NANS = np.array([0x7FC00000, 0xFFC00000], np.uint32).view(np.float32)
 LANES = 64
 _JIT = dict(cache=True, nogil=True, error_model="numpy")
 
@@ -234,12 +232,9 @@ def _f16_to_f32(h, out):
 
 @njit(**_JIT)
 def _f16_to_f32_add(h, out):
+    # a NaN sum is some NaN (its payload is not canonicalised: the loop vectorizes)
     for i in range(h.size):
-        v = h[i]
-        f = _f16_bits_to_f32(v)
-        if f != f:
-            f = _NANS[v >> np.uint16(15)]
-        out[i] = f + out[i]
+        out[i] = _f16_bits_to_f32(h[i]) + out[i]
 
 
 def _probe_f16() -> bool:
@@ -298,13 +293,21 @@ def _bf16_to_f32(h, out):
         ob[i] = np.uint32(h[i]) << np.uint32(16)
 
 
+@intrinsic
+def _u32_as_f32(typingctx, x):
+    """The float32 whose bits are the uint32 ``x``."""
+    if x != types.uint32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(types.uint32), codegen
+
+
 @njit(**_JIT)
 def _bf16_to_f32_add(h, out):
-    one = np.empty(1, np.uint32)
-    f = one.view(np.float32)
     for i in range(h.size):
-        one[0] = np.uint32(h[i]) << np.uint32(16)
-        out[i] = f[0] + out[i]
+        out[i] = _u32_as_f32(np.uint32(np.uint32(h[i]) << np.uint32(16))) + out[i]
 
 
 def bf16_to_f32(h, out, add=False):

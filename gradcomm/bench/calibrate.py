@@ -6,7 +6,9 @@ count at hand:
 
 * α and β: one ``t.sendrecv`` (send to the right neighbour while receiving from the left,
   every rank at once, as in a ring step) at sizes 8 B … ``max_bytes``, fitted as
-  ``α + β·n`` by least squares on relative error;
+  ``α + β·n`` by least squares on relative error; and each algorithm run on 8 bytes,
+  which gives its own α (its time there divided by its number of steps, after the
+  other terms): the software cost per step differs between algorithms;
 * γ and δ: ``Reducer.combine`` (sum) on every rank at once, fitted as ``δ + γ·n`` for
   float32 at several sizes; γ of every other dtype from two sizes;
 * ``native``: the transport's own allreduce (float32 sum) at the same sizes, kept as
@@ -39,6 +41,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .._dtypes import STORAGE, storage
+from ..collectives.auto import HOP
 from ..collectives.costmodel import Profile
 from ..comm.base import TAG_DATA, Transport
 from .overhead import _timed as _timed_us
@@ -143,6 +146,10 @@ def calibrate(t: Transport, *, max_bytes: int = MAX_BYTES, iters: int = 50,
     rd = algorithm("recursive_doubling")
     red = Reducer("sum", "float32")
     k = max(iters, 20)
+    tiny: dict[str, float | None] = {}
+    for name in HOP:                            # each algorithm on 8 bytes: its own alpha
+        fn = algorithm(name)
+        tiny[name] = _timed(t, lambda: fn(t, buf8, red), k, 5)
     t_raw = _timed(t, lambda: rd(t, buf8, red), k, 5)
     t_call = _timed(t, lambda: allreduce(x8, t, algorithm="recursive_doubling", check=False),
                     k, 5)
@@ -178,6 +185,14 @@ def calibrate(t: Transport, *, max_bytes: int = MAX_BYTES, iters: int = 50,
             slope = (ts[-1] - ts[0]) / (hi - lo) if hi > lo else g32  # type: ignore[operator]
             gamma[dtype] = max(0.0, slope)
     native = [[float(s), float(v)] for s, v in zip(sizes, times["native"])]  # type: ignore
+    prof = Profile(t.name, t.size, alpha, beta, gamma, delta)
+    per_alg = {}
+    for name, took in tiny.items():
+        if t.size > 1 and took is not None:     # alpha_alg so that predict(8 B) = measured
+            steps = Profile(t.name, t.size, 1.0, 0.0, {"float32": 0.0}).predict(name, 8,
+                                                                                t.size)
+            rest = prof.predict(name, 8, t.size) - alpha * steps
+            per_alg[name] = max(0.0, (took - rest) / steps)
     return Profile(
         t.name, t.size, alpha, beta, gamma, delta, native,
         overhead=max(0.0, t_call - t_raw),                       # type: ignore[operator]
@@ -190,7 +205,9 @@ def calibrate(t: Transport, *, max_bytes: int = MAX_BYTES, iters: int = 50,
                   timespec="seconds"),
               "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
               "sizes": sizes, "iters": iters, "codecs": codec_note,
-              "sendrecv_s": times["sendrecv"], "native_s": times["native"]})
+              "sendrecv_s": times["sendrecv"], "native_s": times["native"],
+              "tiny_s": tiny},
+        alpha_by_algorithm=per_alg)
 
 
 def save_and_adopt(t: Transport, prof: Profile | None, path: str | None) -> Profile | None:
@@ -206,7 +223,9 @@ def save_and_adopt(t: Transport, prof: Profile | None, path: str | None) -> Prof
 
 def describe(prof: Profile) -> list[str]:
     """Human-readable lines (each starting with '#') about a profile."""
-    lines = [f"# profile {prof.transport}, {prof.ranks} ranks: alpha {prof.alpha * 1e6:.2f} us, "
+    per_alg = ", ".join(f"{k} {v * 1e6:.2f}" for k, v in prof.alpha_by_algorithm.items())
+    lines = [f"# profile {prof.transport}, {prof.ranks} ranks: alpha {prof.alpha * 1e6:.2f} us"
+             + (f" (per algorithm: {per_alg})" if per_alg else "") + ", "
              f"beta {prof.beta * 1e9:.3f} ns/B ({1 / prof.beta / 1e9 if prof.beta else 0:.2f} "
              f"GB/s), gamma(float32) {prof.gamma_of('float32') * 1e9:.3f} ns/B, "
              f"delta {prof.delta * 1e6:.2f} us",

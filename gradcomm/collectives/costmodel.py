@@ -2,7 +2,8 @@
 
 A :class:`Profile` holds what ``python -m gradcomm.bench --calibrate`` measured for one
 transport and rank count: α (seconds per message: one point-to-point exchange of a few
-bytes through the transport), β (seconds per byte of an exchange, sending and receiving
+bytes through the transport; per algorithm, where measured, the cost per step of the
+algorithm itself on a tiny message, which includes its own software overhead), β (seconds per byte of an exchange, sending and receiving
 at once), γ (seconds per byte reduced, per dtype) and δ (the fixed cost of one reduction
 call), plus the library's own allreduce measured at several sizes (``native``), the fixed
 cost of a ``gradcomm.allreduce`` call and of its argument check, the input copy per byte,
@@ -81,11 +82,15 @@ class Profile:
     copy: float = 0.0          # the input copy, per byte
     codecs: dict[str, dict[str, float]] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)
+    #: α of each algorithm where measured (its software cost per step differs: the ring's
+    #: pipeline bookkeeping, the tree's job list...); ``alpha`` for the others
+    alpha_by_algorithm: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:        # one canonical form: floats, sorted points
         for k in ("alpha", "beta", "delta", "overhead", "check", "copy"):
             setattr(self, k, float(getattr(self, k)))
         self.gamma = {k: float(v) for k, v in self.gamma.items()}
+        self.alpha_by_algorithm = {k: float(v) for k, v in self.alpha_by_algorithm.items()}
         self.native = sorted([float(b), float(s)] for b, s in self.native)
         self.codecs = {k: {kk: float(vv) for kk, vv in v.items()}
                        for k, v in self.codecs.items()}
@@ -102,7 +107,8 @@ class Profile:
         n = float(nbytes)
         if p <= 1 or nbytes <= 0:
             return 0.0
-        a, b, g, dl = self.alpha, self.beta, self.gamma_of(dtype), self.delta
+        a = self.alpha_by_algorithm.get(algorithm, self.alpha)
+        b, g, dl = self.beta, self.gamma_of(dtype), self.delta
         q = 1 << (p.bit_length() - 1)
         k = q.bit_length() - 1
         fold = 2 * (a + n * b) + n * g + dl if p != q else 0.0
@@ -213,13 +219,17 @@ class Profile:
         info = d.get("info", {})
         if not isinstance(info, dict):
             raise bad("info must be an object")
+        per_alg = d.get("alpha_by_algorithm", {})
+        if not isinstance(per_alg, dict) or any(k not in MODELLED for k in per_alg):
+            raise bad(f"alpha_by_algorithm must map algorithms ({', '.join(MODELLED)}) to s")
         return cls(transport, ranks, num("alpha"), num("beta"),
                    {k: num(f"gamma[{k}]", v) for k, v in gamma.items()},
                    num("delta", d.get("delta", 0.0)), pts,
                    num("overhead", d.get("overhead", 0.0)), num("check", d.get("check", 0.0)),
                    num("copy", d.get("copy", 0.0)),
                    {k: {kk: num(f"codecs[{k}].{kk}", vv) for kk, vv in v.items()}
-                    for k, v in codecs.items()}, info)
+                    for k, v in codecs.items()}, info,
+                   {k: num(f"alpha_by_algorithm[{k}]", v) for k, v in per_alg.items()})
 
     @classmethod
     def from_json(cls, text: str | bytes, where: str = "profile") -> Profile:

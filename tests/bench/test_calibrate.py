@@ -17,7 +17,7 @@ from tests.bench.test_bench import ROOT, _env, _mpiexec
 
 CAL = ["--calibrate", "--calibrate-max", "4K", "--calibrate-iters", "3", "--no-progress"]
 SWEEP = ["--sizes", "4K,64K", "--iters", "2", "--warmup", "1",
-         "--algorithms", "ring,recursive_doubling,native,auto"]
+         "--algorithms", "ring,tree,recursive_doubling,rabenseifner,native,auto"]
 
 
 def test_helpers() -> None:

@@ -124,20 +124,24 @@ def test_native_is_interpolated_between_measured_sizes() -> None:
 def test_profile_round_trip_and_validation(tmp_path) -> None:
     prof = Profile("mpi", 4, 3e-6, 2.5e-10, {"float32": 1e-10, "bfloat16": 2e-9}, 1e-7,
                    [[8, 2e-6], [4096, 4e-6]], overhead=5e-6, check=3e-6, copy=1e-10,
-                   codecs={"int8": {"encode": 1e-9, "decode": 5e-10}}, info={"host": "x"})
+                   codecs={"int8": {"encode": 1e-9, "decode": 5e-10}}, info={"host": "x"},
+                   alpha_by_algorithm={"ring": 4e-6})
     path = prof.save(str(tmp_path / "sub" / "p.json"))
     back = Profile.load(path)
     assert back == prof and back.digest() == prof.digest() and back.digest() > 0
     assert Profile.from_json(prof.to_json()) == prof
     changed = Profile.from_dict({**prof.to_dict(), "alpha": 4e-6})
     assert changed.digest() != prof.digest()
+    assert prof.predict("ring", 8, 4) > Profile.from_dict(
+        {**prof.to_dict(), "alpha_by_algorithm": {}}).predict("ring", 8, 4)   # its own alpha
     good = prof.to_dict()
     for key, value, words in [
             ("schema", 2, "schema"), ("alpha", -1.0, "alpha"), ("beta", float("nan"), "beta"),
             ("gamma", {"complex64": 1.0}, "gamma"), ("gamma", {}, "gamma"),
             ("ranks", 0, "ranks"), ("transport", 7, "transport"),
             ("native", [[8, 1.0], [8, 2.0]], "differ"), ("native", [[8]], "native point"),
-            ("codecs", {"x": 3}, "codecs"), ("alpha", True, "alpha")]:
+            ("codecs", {"x": 3}, "codecs"), ("alpha", True, "alpha"),
+            ("alpha_by_algorithm", {"bogus": 1.0}, "alpha_by_algorithm")]:
         with pytest.raises(ConfigError, match=words):
             Profile.from_dict({**good, key: value}, "f.json")
     for text in ("not json", "[]", json.dumps({"schema": 1}), "x" * (2 << 20)):

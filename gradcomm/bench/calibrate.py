@@ -207,7 +207,9 @@ def calibrate(t: Transport, *, max_bytes: int = MAX_BYTES, iters: int = 50,
               "sizes": sizes, "iters": iters, "codecs": codec_note,
               "sendrecv_s": times["sendrecv"], "native_s": times["native"],
               "tiny_s": tiny},
-        alpha_by_algorithm=per_alg)
+        alpha_by_algorithm=per_alg,
+        exchange=[[float(s), float(v)] for s, v in zip(sizes, times["sendrecv"])]  # type: ignore
+        if t.size > 1 else [])
 
 
 def save_and_adopt(t: Transport, prof: Profile | None, path: str | None) -> Profile | None:

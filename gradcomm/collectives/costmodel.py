@@ -21,6 +21,10 @@ tree               2d·m·α + 2d·n·β + d·n·γ + d·m·δ,  m = ceil(n / c)
 native             measured: interpolated linearly between the calibrated sizes
 ================== =========================================================================
 
+β in each term is :meth:`Profile.beta_at` the size of that algorithm's messages (n/p and
+at most c for ring, n for recursive doubling, n/2 for Rabenseifner, at most c for tree):
+the fitted β, or more where the calibrated exchanges of that size took longer per byte.
+
 Example:
     >>> prof = Profile("threads", 4, alpha=1e-5, beta=1e-9, gamma={"float32": 5e-10})
     >>> round(prof.predict("recursive_doubling", 1024, 4) * 1e6, 2)
@@ -55,6 +59,17 @@ _MAX_CODECS = 64
 _MAX_BYTES = 1 << 20          # a profile file larger than this is not one
 
 
+def _interpolate(pts: list[list[float]], x: float) -> float:
+    """Piecewise-linear through ``pts`` (sorted [x, y]); flat below, last slope above."""
+    if len(pts) == 1 or x <= pts[0][0]:
+        return pts[0][1]
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    (x0, y0), (x1, y1) = pts[-2], pts[-1]
+    return max(y1, y1 + (y1 - y0) * (x - x1) / (x1 - x0))
+
+
 def default_path(transport: str, ranks: int) -> str:
     """``$XDG_CACHE_HOME/gradcomm/profile-<transport>-<ranks>.json`` (~/.cache by default).
 
@@ -85,6 +100,10 @@ class Profile:
     #: α of each algorithm where measured (its software cost per step differs: the ring's
     #: pipeline bookkeeping, the tree's job list...); ``alpha`` for the others
     alpha_by_algorithm: dict[str, float] = field(default_factory=dict)
+    #: the exchanges α and β were fitted to, [[bytes, seconds], ...]: where given, β for
+    #: a message of m bytes is never below what they show around m (caches: a fitted line
+    #: underestimates the time of messages that no longer fit in them)
+    exchange: list[list[float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:        # one canonical form: floats, sorted points
         for k in ("alpha", "beta", "delta", "overhead", "check", "copy"):
@@ -92,6 +111,7 @@ class Profile:
         self.gamma = {k: float(v) for k, v in self.gamma.items()}
         self.alpha_by_algorithm = {k: float(v) for k, v in self.alpha_by_algorithm.items()}
         self.native = sorted([float(b), float(s)] for b, s in self.native)
+        self.exchange = sorted([float(b), float(s)] for b, s in self.exchange)
         self.codecs = {k: {kk: float(vv) for kk, vv in v.items()}
                        for k, v in self.codecs.items()}
 
@@ -108,38 +128,36 @@ class Profile:
         if p <= 1 or nbytes <= 0:
             return 0.0
         a = self.alpha_by_algorithm.get(algorithm, self.alpha)
-        b, g, dl = self.beta, self.gamma_of(dtype), self.delta
+        g, dl, bt = self.gamma_of(dtype), self.delta, self.beta_at
         q = 1 << (p.bit_length() - 1)
         k = q.bit_length() - 1
-        fold = 2 * (a + n * b) + n * g + dl if p != q else 0.0
+        fold = 2 * (a + n * bt(n)) + n * g + dl if p != q else 0.0
         if algorithm == "ring":
             m = max(1, math.ceil(n / p / CHUNK_BYTES))
-            return (2 * (p - 1) * m * a + 2 * (p - 1) / p * n * b + (p - 1) / p * n * g
-                    + (p - 1) * m * dl)
+            return (2 * (p - 1) * m * a + 2 * (p - 1) / p * n * bt(min(n / p, CHUNK_BYTES))
+                    + (p - 1) / p * n * g + (p - 1) * m * dl)
         if algorithm == "recursive_doubling":
-            return k * (a + n * b + n * g + dl) + fold
+            return k * (a + n * bt(n) + n * g + dl) + fold
         if algorithm == "rabenseifner":
-            return 2 * k * a + 2 * (q - 1) / q * n * b + (q - 1) / q * n * g + k * dl + fold
+            return (2 * k * a + 2 * (q - 1) / q * n * bt(n / 2) + (q - 1) / q * n * g + k * dl
+                    + fold)
         if algorithm == "tree":
             d = (p - 1).bit_length()
             m = max(1, math.ceil(n / CHUNK_BYTES))
-            return 2 * d * m * a + 2 * d * n * b + d * n * g + d * m * dl
+            return (2 * d * m * a + 2 * d * n * bt(min(n, CHUNK_BYTES)) + d * n * g
+                    + d * m * dl)
         if algorithm == "native":
-            return self._native(n)
+            return _interpolate(self.native, n) if self.native else math.inf
         raise ConfigError(f"no cost model for algorithm {algorithm!r}; known: "
                           f"{', '.join(MODELLED)}")
 
-    def _native(self, n: float) -> float:
-        pts = self.native
-        if not pts:
-            return math.inf
-        if len(pts) == 1 or n <= pts[0][0]:         # below: the smallest size's time
-            return pts[0][1]
-        for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
-            if n <= x1:
-                return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
-        (x0, y0), (x1, y1) = pts[-2], pts[-1]          # beyond: the last slope
-        return max(y1, y1 + (y1 - y0) * (n - x1) / (x1 - x0))
+    def beta_at(self, m: float) -> float:
+        """β for messages of ``m`` bytes: the fitted β, or more where the measured
+        exchanges around ``m`` took longer per byte (above the smallest one's time)."""
+        pts = self.exchange
+        if len(pts) < 2 or m <= pts[0][0]:
+            return self.beta
+        return max(self.beta, (_interpolate(pts, m) - pts[0][1]) / m)
 
     def call_time(self, algorithm: str, nbytes: int, p: int, dtype: str = "float32",
                   check: bool = True) -> float:
@@ -201,17 +219,21 @@ class Profile:
         gamma = d.get("gamma")
         if not isinstance(gamma, dict) or not gamma or any(k not in STORAGE for k in gamma):
             raise bad(f"gamma must map dtypes ({', '.join(STORAGE)}) to s/byte")
-        native = d.get("native", [])
-        if not isinstance(native, list) or len(native) > _MAX_POINTS:
-            raise bad(f"native must be a list of at most {_MAX_POINTS} [bytes, seconds]")
-        pts = []
-        for pt in native:
-            if not isinstance(pt, list) or len(pt) != 2:
-                raise bad(f"native point {pt!r}")
-            pts.append([num("native bytes", pt[0]), num("native seconds", pt[1])])
-        pts.sort()
-        if any(x1 <= x0 for (x0, _), (x1, _) in zip(pts, pts[1:])):
-            raise bad("native sizes must differ")
+        def points(key: str) -> list[list[float]]:
+            raw = d.get(key, [])
+            if not isinstance(raw, list) or len(raw) > _MAX_POINTS:
+                raise bad(f"{key} must be a list of at most {_MAX_POINTS} [bytes, seconds]")
+            pts = []
+            for pt in raw:
+                if not isinstance(pt, list) or len(pt) != 2:
+                    raise bad(f"{key} point {pt!r}")
+                pts.append([num(f"{key} bytes", pt[0]), num(f"{key} seconds", pt[1])])
+            pts.sort()
+            if any(x1 <= x0 for (x0, _), (x1, _) in zip(pts, pts[1:])):
+                raise bad(f"{key} sizes must differ")
+            return pts
+
+        pts, exchange = points("native"), points("exchange")
         codecs = d.get("codecs", {})
         if not isinstance(codecs, dict) or len(codecs) > _MAX_CODECS or not all(
                 isinstance(k, str) and isinstance(v, dict) for k, v in codecs.items()):
@@ -229,7 +251,8 @@ class Profile:
                    num("copy", d.get("copy", 0.0)),
                    {k: {kk: num(f"codecs[{k}].{kk}", vv) for kk, vv in v.items()}
                     for k, v in codecs.items()}, info,
-                   {k: num(f"alpha_by_algorithm[{k}]", v) for k, v in per_alg.items()})
+                   {k: num(f"alpha_by_algorithm[{k}]", v) for k, v in per_alg.items()},
+                   exchange)
 
     @classmethod
     def from_json(cls, text: str | bytes, where: str = "profile") -> Profile:

@@ -121,6 +121,19 @@ def test_native_is_interpolated_between_measured_sizes() -> None:
     assert prof.best(["recursive_doubling", "native"], 1 << 20, 2) == "recursive_doubling"
 
 
+def test_beta_follows_the_measured_exchanges() -> None:
+    """Where calibrated exchanges are given, beta at m bytes is never below what they
+    show there (above the smallest exchange's time)."""
+    prof = Profile("mpi", 2, 2e-6, 1e-10, {"float32": 0.0},
+                   exchange=[[8, 2e-6], [1 << 20, 2e-6 + 1e-4], [8 << 20, 2e-6 + 4e-3]])
+    assert prof.beta_at(4) == prof.beta_at(4096) == 1e-10
+    assert prof.beta_at(8 << 20) == pytest.approx(4e-3 / (8 << 20))
+    flat = Profile("mpi", 2, 2e-6, 1e-10, {"float32": 0.0})
+    assert prof.predict("recursive_doubling", 8 << 20, 2) > \
+        flat.predict("recursive_doubling", 8 << 20, 2) + 3e-3
+    assert Profile.from_json(prof.to_json()) == prof
+
+
 def test_profile_round_trip_and_validation(tmp_path) -> None:
     prof = Profile("mpi", 4, 3e-6, 2.5e-10, {"float32": 1e-10, "bfloat16": 2e-9}, 1e-7,
                    [[8, 2e-6], [4096, 4e-6]], overhead=5e-6, check=3e-6, copy=1e-10,
@@ -141,7 +154,8 @@ def test_profile_round_trip_and_validation(tmp_path) -> None:
             ("ranks", 0, "ranks"), ("transport", 7, "transport"),
             ("native", [[8, 1.0], [8, 2.0]], "differ"), ("native", [[8]], "native point"),
             ("codecs", {"x": 3}, "codecs"), ("alpha", True, "alpha"),
-            ("alpha_by_algorithm", {"bogus": 1.0}, "alpha_by_algorithm")]:
+            ("alpha_by_algorithm", {"bogus": 1.0}, "alpha_by_algorithm"),
+            ("exchange", [[8, -1.0]], "exchange seconds")]:
         with pytest.raises(ConfigError, match=words):
             Profile.from_dict({**good, key: value}, "f.json")
     for text in ("not json", "[]", json.dumps({"schema": 1}), "x" * (2 << 20)):

@@ -15,9 +15,12 @@ codec work runs on one worker thread while the calling thread only moves message
    i+1 is compressed while chunk i is on the wire, and the MPI library keeps being
    driven (progress) while the codec runs: codec time hides behind transfer time.
 
-Used only on transports whose requests can be polled (:data:`POLLABLE`), and for large
-messages (:data:`MIN_BYTES`); small ones keep the serial ring (a thread costs more than
-it hides). Every wait has the transport's deadline; an error on the worker (a bad peer
+Used only on transports whose requests can be polled (:data:`POLLABLE`), for large
+messages (:data:`MIN_BYTES`; a thread costs more than it hides on small ones), and when
+the node has a spare core per rank for the worker: measured on a 2-core machine running
+2 ranks (load 2-3), the worker made the ring 10-40 % *slower* (the four threads share two
+cores, and handing each chunk across threads adds latency), so there the serial ring,
+whose transfers already overlap the peer's codec work, is used. Every wait has the transport's deadline; an error on the worker (a bad peer
 frame) or a deadline abandons the pending messages and is raised in the caller.
 
 The environment variable ``GRADCOMM_PIPELINE`` set to ``0`` turns the pipelined path
@@ -50,7 +53,10 @@ from ..errors import DeadlineError
 from ._segments import bounds, chunks
 
 #: dense bytes from which compressed ring allreduces take the pipelined path by default
-MIN_BYTES = 1 << 20
+MIN_BYTES = 4 << 20
+#: environment variables launchers set to the number of ranks on this node
+LOCAL_SIZE_VARS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "MV2_COMM_WORLD_LOCAL_SIZE",
+                   "LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE")
 #: longest sleep of the polling loop when nothing moved (seconds)
 MAX_PAUSE = 5e-4
 
@@ -61,14 +67,28 @@ MAX_PAUSE = 5e-4
 POLLABLE = ("mpi", "threads")
 
 
+def local_ranks(t: Transport | None) -> int:
+    """Ranks sharing this node's cores: the launcher's count, all of them for in-process
+    ranks, else 1."""
+    for var in LOCAL_SIZE_VARS:
+        try:
+            v = int(os.environ.get(var, ""))
+        except ValueError:
+            continue
+        if v > 0:
+            return v
+    return t.size if t is not None and t.name == "threads" else 1
+
+
 def wanted(nbytes: int, t: Transport | None = None) -> bool:
-    """Whether a compressed ring of ``nbytes`` dense bytes on ``t`` takes this path."""
+    """Whether a compressed ring of ``nbytes`` dense bytes on ``t`` takes this path: a
+    pollable transport, a large message, and a spare core per rank for its worker."""
     if t is not None and t.name not in POLLABLE:
         return False
     env = os.environ.get("GRADCOMM_PIPELINE", "")
     if env in ("0", "1"):
         return env == "1"
-    return nbytes >= MIN_BYTES
+    return nbytes >= MIN_BYTES and (os.cpu_count() or 1) >= 2 * local_ranks(t)
 
 
 class _Task:

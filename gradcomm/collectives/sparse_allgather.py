@@ -133,9 +133,17 @@ def allreduce(t: Transport, indices: np.ndarray, values: np.ndarray, n: int, *,
     if dense is not None:
         out[...] = dense
         return out
-    out[...] = 0
+    out.fill(0)
+    scatter = None
+    if out.dtype == vals.dtype and out.flags.c_contiguous and vals.dtype.kind == "f":
+        from ..compressors import _kernels
+
+        scatter = _kernels.for_size(n).scatter       # compiled scatter-add on large n
     for ir, vr in blocks or []:
-        out[ir] += vr
+        if scatter is not None:
+            scatter(out, ir, vr, True)                # blocks were checked in _exchange
+        else:
+            out[ir] += vr
     return out
 
 

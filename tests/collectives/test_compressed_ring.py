@@ -61,8 +61,14 @@ def test_same_bytes_as_the_serial_ring(name: str, opts: dict, p: int, monkeypatc
 
 def test_large_default_threshold_takes_the_pipeline(monkeypatch) -> None:
     monkeypatch.delenv("GRADCOMM_PIPELINE", raising=False)
+    for var in compressed_ring.LOCAL_SIZE_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(compressed_ring.os, "cpu_count", lambda: 4)
     assert compressed_ring.wanted(compressed_ring.MIN_BYTES)
     assert not compressed_ring.wanted(compressed_ring.MIN_BYTES - 1)
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "3")       # 3 ranks on 4 cores
+    assert not compressed_ring.wanted(compressed_ring.MIN_BYTES)
+    monkeypatch.delenv("OMPI_COMM_WORLD_LOCAL_SIZE")
     n = compressed_ring.MIN_BYTES // 4 + 3
     calls = []
     real = compressed_ring.allreduce

@@ -91,7 +91,8 @@ def dense_allreduce(t: Transport, buf: Any, op: str, dtype: str, algorithm_name:
         name = auto.select(t, int(buf.nbytes), dtype, red.base_op,
                            native=checked or t.native_bounded)
     (_FUNCS.get(name) or algorithm(name))(t, buf, red)
-    red.finalize(buf, t.size)
+    if red.op == "mean":
+        red.finalize(buf, t.size)
     return buf
 
 

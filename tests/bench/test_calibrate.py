@@ -81,9 +81,9 @@ def test_mpirun_two_ranks_calibrate(tmp_path) -> None:
                        capture_output=True, text=True, timeout=80, env=env, cwd=ROOT)
     assert p.returncode == 0, p.stderr
     prof = Profile.load(str(tmp_path / "prof-mpi-2.json"))
-    assert (prof.transport, prof.ranks) == ("mpi", 2) and len(prof.native) == 4
+    assert (prof.transport, prof.ranks) == ("mpi", 2) and len(prof.native) == 4, p.stdout
     doc = json.loads(out_json.read_text())
     base = [r for r in doc["rows"] if r["algorithm"] == "MPI_Allreduce"]
-    assert len(base) == 2 and all(r["extra"]["pred_us"] > 0 for r in base)
-    assert doc["summary"]["auto"]["sizes"] == 2
+    assert len(base) == 2 and all(r["extra"]["pred_us"] > 0 for r in base), p.stdout
+    assert doc["summary"]["auto"]["sizes"] == 2, (doc["summary"], p.stdout)
     assert p.stdout.count("# saved profile:") == 1 and p.stdout.count("# summary:") == 1

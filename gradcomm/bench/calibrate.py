@@ -102,6 +102,12 @@ def calibrate(t: Transport, *, max_bytes: int = MAX_BYTES, iters: int = 50,
 
     The profile is not saved or adopted here: see :func:`save_and_adopt`.
     """
+    with np.errstate(over="ignore", invalid="ignore"):   # buffers summed into themselves
+        return _calibrate(t, max_bytes, iters, codecs, progress)
+
+
+def _calibrate(t: Transport, max_bytes: int, iters: int, codecs: bool,
+               progress: Callable[[str], None] | None) -> Profile | None:
     from .. import allreduce
     from ..collectives import algorithm
     from ..collectives._check import agree

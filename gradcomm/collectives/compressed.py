@@ -114,7 +114,7 @@ GATHER_ALGORITHMS = ("allgather", "sparse_allgather")
 COMPRESSED_ALGORITHMS = (*HOP_ALGORITHMS, *GATHER_ALGORITHMS, "auto")
 OPS = ("sum", "mean")
 #: target bytes of one compressed message in the pipelined ring and tree
-CHUNK_BYTES = 512 * 1024
+CHUNK_BYTES = 2 << 20
 
 _HDR = struct.Struct("<II")       # frame: number of parts, reserved (0)
 _PART = struct.Struct("<QQQ")     # part: offset in the segment, elements, lead|bytes
@@ -336,6 +336,7 @@ class CompressedWire:
         self._partial_hops = 0
         self._final_hops = 0
         self._reuse = _accepts(codec.compress, "out")
+        self._fused = _accepts(codec.compress, "residual")     # fused EF / round trip
         self._add = _accepts(codec.decompress, "add")     # fused decode-and-add
         self._codec_key = (type(codec), repr(sorted(codec.get_config().items())))
 
@@ -390,9 +391,11 @@ class CompressedWire:
         self.state.layouts[(self._codec_key, n, self.dtype)] = _Layout(lead, bufs)
 
     def _write_payload(self, frame: np.ndarray, pos: int, x: np.ndarray,
-                       seed: tuple[int, ...], n: int) -> tuple[int, int]:
+                       seed: tuple[int, ...], n: int, fused: dict[str, np.ndarray]
+                       ) -> tuple[int, int]:
         """Compress ``x`` into the part region of ``frame`` starting at ``pos`` (8-aligned):
-        zeros, then the payload with its buffers 8-aligned. Returns (lead, bytes)."""
+        zeros, then the payload with its buffers 8-aligned. Returns (lead, bytes).
+        ``fused``: the codec's ``residual``/``decoded`` arguments (empty if none)."""
         lay = self._layout(n) if self._reuse else None
         views: dict[str, np.ndarray] = {}
         if lay is not None:
@@ -400,9 +403,9 @@ class CompressedWire:
             for name, dt, count, o in lay.buffers:
                 views[name] = frame[b0 + o:b0 + o + count * dt.itemsize].view(dt)
             payload = self.codec.compress(x, seed=seed,  # type: ignore[call-arg]
-                                          out=Payload(self.codec.name, {}, views))
+                                          out=Payload(self.codec.name, {}, views), **fused)
         else:
-            payload = self.codec.compress(x, seed=seed)
+            payload = self.codec.compress(x, seed=seed, **fused)
         meta = payload._meta()
         head = _PREFIX_SIZE + len(meta)
         plen = head + sum(b.nbytes for b in payload.buffers.values())
@@ -425,16 +428,39 @@ class CompressedWire:
         frame[end:_round8(end)] = 0
         return start - pos, plen
 
-    def _single(self, x: np.ndarray, seed: tuple[int, ...], n: int, size: int
+    def _single(self, x: np.ndarray, seed: tuple[int, ...], n: int, size: int, *,
+                residual: np.ndarray | None = None, decoded: np.ndarray | None = None
                 ) -> tuple[np.ndarray, np.ndarray]:
-        """A one-part frame of ``size`` bytes holding ``x`` compressed; (frame, payload)."""
+        """A one-part frame of ``size`` bytes holding ``x`` compressed; (frame, payload).
+
+        With ``residual`` e, ``y = x + e`` is compressed and ``e = y − decode`` is left;
+        with ``decoded``, ``decode`` is left there (may be ``x``): fused into the codec's
+        pass when it can (``compress(..., residual=, decoded=)``), else step by step
+        (the same bytes)."""
         frame = self.state.arena.take(size)
         pos = _HDR.size + _PART.size
-        lead, plen = self._write_payload(frame, pos, x, seed, n)
+        fused: dict[str, np.ndarray] = {}
+        if residual is not None or decoded is not None:
+            if self._fused:
+                if residual is not None:
+                    fused["residual"] = residual
+                if decoded is not None:
+                    fused["decoded"] = decoded
+            elif residual is not None:
+                np.add(x, residual, out=residual)
+                x = residual
+        lead, plen = self._write_payload(frame, pos, x, seed, n, fused)
         _HDR.pack_into(frame, 0, 1, 0)
         _PART.pack_into(frame, _HDR.size, 0, n, (lead << _LEN_BITS) | plen)
         frame[_round8(pos + lead + plen):] = 0
-        return frame, frame[pos + lead:pos + lead + plen]
+        data = frame[pos + lead:pos + lead + plen]
+        if not fused and (residual is not None or decoded is not None):
+            dec = decoded if decoded is not None else self._scratch_of(0, n)
+            self._decode(data, dec)
+            if residual is not None:
+                with np.errstate(invalid="ignore"):
+                    np.subtract(residual, dec, out=residual)
+        return frame, data
 
     def _assemble(self, parts: list[tuple[int, int, np.ndarray]], size: int
                   ) -> np.ndarray | None:
@@ -545,12 +571,7 @@ class CompressedWire:
         if self.ef is None:
             return self._single(seg, seed, n, self.bound(n))[0]
         e = self._hop_residual(f"{self.key}{HOP_SEP}e{hop}", off, n, seg.dtype)
-        np.add(seg, e, out=e)
-        frame, data = self._single(e, seed, n, self.bound(n))
-        dec = self._scratch_of(0, n)
-        self._decode(data, dec)
-        np.subtract(e, dec, out=e)
-        return frame
+        return self._single(seg, seed, n, self.bound(n), residual=e)[0]
 
     def reduce(self, recv: np.ndarray, seg: np.ndarray, recv_first: bool) -> None:
         off, n = self._offset(seg), seg.size
@@ -571,15 +592,11 @@ class CompressedWire:
         self._final_hops += 1
         seed = self.seeds.final(off, n, hop, seg)
         if self.ef is None:
-            frame, data = self._single(seg, seed, n, size)
-            if self.codec.lossy:
-                self._decode(data, seg)
+            frame, data = self._single(seg, seed, n, size,
+                                       decoded=seg if self.codec.lossy else None)
         else:
             e = self._hop_residual(f"{self.key}{HOP_SEP}f{hop}", off, n, seg.dtype)
-            np.add(seg, e, out=e)
-            frame, data = self._single(e, seed, n, size)
-            self._decode(data, seg)
-            np.subtract(e, seg, out=e)
+            frame, data = self._single(seg, seed, n, size, residual=e, decoded=seg)
         self._forget(off, off + n)
         self._finished[off] = (n, data)
         return frame
@@ -719,16 +736,28 @@ def _gathered(t: Transport, x: np.ndarray, codec: Compressor, sparse: bool, seed
 
     n = x.size
     wire = CompressedWire(codec, x, seeds, state=state)
-    if ef is not None:
-        ef.compensate(key, x)
-    if sparse and ef is None and _accepts(getattr(codec, "to_sparse", None), "payload"):
-        payload = codec.compress(x, seed=seeds.whole())
-        _, _, idx, vals = codec.to_sparse(payload)       # type: ignore[attr-defined]
-        _sparse_sum(t, idx, vals, x)
-        return
+    pairs = _accepts(getattr(codec, "to_sparse", None), "payload")
     size = wire.bound(n)
-    frame, data = wire._single(x, seeds.whole(), n, size)
-    if ef is not None:
+    if ef is None or (_plain_ef(ef) and wire._fused):
+        # the key's residual e (if any) is fused into the codec's pass: y = x + e is
+        # compressed and e = y - decode(y) left behind; x itself is not needed after
+        e = ef.residual(key, n, x.dtype) if ef is not None else None
+        if sparse and pairs:
+            payload = codec.compress(x, seed=seeds.whole(),   # type: ignore[call-arg]
+                                     **({} if e is None else {"residual": e}))
+            _, _, idx, vals = codec.to_sparse(payload)       # type: ignore[attr-defined]
+            _sparse_sum(t, idx, vals, x)
+            return
+        frame, data = wire._single(x, seeds.whole(), n, size, residual=e)
+        if sparse:
+            dec = wire._scratch_of(0, n)
+            wire._decode(data, dec)
+            idx = np.flatnonzero(dec)
+            _sparse_sum(t, idx, dec[idx], x)
+            return
+    else:                       # a residual store of its own (the DDP hook's): step by step
+        ef.compensate(key, x)
+        frame, data = wire._single(x, seeds.whole(), n, size)
         dec = wire._scratch_of(0, n)
         wire._decode(data, dec)
         ef.update(key, x, dec)
@@ -736,12 +765,6 @@ def _gathered(t: Transport, x: np.ndarray, codec: Compressor, sparse: bool, seed
             idx = np.flatnonzero(dec)
             _sparse_sum(t, idx, dec[idx], x)
             return
-    elif sparse:
-        dec = wire._scratch_of(0, n)
-        wire._decode(data, dec)
-        idx = np.flatnonzero(dec)
-        _sparse_sum(t, idx, dec[idx], x)
-        return
     landing = wire.state.arena.take(size * t.size)
     blocks = allgatherv(t, frame, sizes=np.full(t.size, size, np.int64), out=landing)
     payloads = []

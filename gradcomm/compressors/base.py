@@ -277,6 +277,52 @@ def one_of(name: str, value: Any, choices: Sequence[Any]) -> Any:
     return value
 
 
+def fused_kernels(x: np.ndarray, residual: Any, decoded: Any, name: str) -> Any:
+    """Validate ``compress(x, residual=, decoded=)`` arguments; the kernel module that
+    fuses them for ``x`` (float32, writable, on a path with fused encoders), else None
+    (the codec then composes: :func:`compose`).
+
+    ``residual`` and ``decoded`` must be flat, contiguous, writable arrays of ``x``'s
+    dtype and size (``decoded`` may be ``x`` itself).
+    """
+    for what, a in (("residual", residual), ("decoded", decoded)):
+        if a is not None and not (isinstance(a, np.ndarray) and a.dtype == x.dtype and
+                                  a.ndim == 1 and a.size == x.size and
+                                  a.flags.c_contiguous and a.flags.writeable):
+            got = f"{a.dtype.name}{list(a.shape)}" if isinstance(a, np.ndarray) else \
+                type(a).__name__
+            raise ConfigError(f"{name}.compress: {what} must be a flat writable "
+                              f"{x.dtype.name}[{x.size}] array, got {got}")
+    if residual is not None and (residual is x or np.shares_memory(residual, x)):
+        raise ConfigError(f"{name}.compress: residual must not overlap x")
+    if x.dtype != np.float32 or not x.flags.writeable:
+        return None
+    from . import _kernels
+
+    k = _kernels.for_size(x.size)
+    return k if getattr(k, "FUSED", False) else None
+
+
+def compose(codec: Compressor, x: np.ndarray, seed: Any, out: Any, residual: Any,
+            decoded: Any) -> Payload:
+    """What ``compress(x, residual=e, decoded=d)`` means, step by step: ``y = x + e``
+    (into ``e``); the payload encodes ``y``; ``d = decode(payload)``; ``e = y - d``.
+    Fused kernels produce exactly these bytes in one pass."""
+    y = x
+    if residual is not None:
+        np.add(x, residual, out=residual)
+        y = residual
+    payload = codec.compress(y, seed=seed, out=out)      # type: ignore[call-arg]
+    if residual is None and decoded is None:
+        return payload
+    dec = decoded if decoded is not None else np.empty_like(y)
+    codec.decompress(payload, out=dec)
+    if residual is not None:
+        with np.errstate(invalid="ignore"):             # inf - inf: NaN, by design
+            np.subtract(residual, dec, out=residual)
+    return payload
+
+
 def need_out(add: bool, out: Any, name: str) -> None:
     """ConfigError for ``decompress(..., add=True)`` without ``out`` (nothing to add to)."""
     if add and out is None:

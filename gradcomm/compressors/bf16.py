@@ -19,8 +19,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import _kernels
-from .base import (Compressor, Payload, Reader, as_float32, as_input, dtype_code, make_out,
-                   need_out, payload_nbytes, reuse)
+from .base import (Compressor, Payload, Reader, as_float32, as_input, compose, dtype_code,
+                   fused_kernels, make_out, need_out, payload_nbytes, reuse)
 
 
 class Bf16Compressor(Compressor):
@@ -30,10 +30,22 @@ class Bf16Compressor(Compressor):
     reduction = "summable"
 
     def compress(self, x: np.ndarray, *, seed: Sequence[int] | int | None = None,
-                 out: Payload | None = None) -> Payload:
+                 out: Payload | None = None, residual: np.ndarray | None = None,
+                 decoded: np.ndarray | None = None) -> Payload:
+        """Encode ``x``; with ``residual`` e, encode ``y = x + e`` and leave ``e = y −
+        decode``; with ``decoded``, leave ``decode`` there (may be ``x``): one fused pass
+        (:func:`~gradcomm.compressors.base.compose` defines the bytes)."""
         x = as_input(x, self.name)
+        fk = None
+        if residual is not None or decoded is not None:
+            fk = fused_kernels(x, residual, decoded, self.name)
+            if fk is None:
+                return compose(self, x, seed, out, residual, decoded)
         v = reuse(out, "v", np.uint16, x.size)
-        _kernels.for_size(x.size).f32_to_bf16(as_float32(x), v)
+        if fk is not None:
+            fk.fused("bf16", x, (v,), residual, decoded)
+        else:
+            _kernels.for_size(x.size).f32_to_bf16(as_float32(x), v)
         return Payload(self.name, {"n": x.size, "dt": dtype_code(x.dtype)}, {"v": v})
 
     def decompress(self, payload: Payload, out: np.ndarray | None = None,

@@ -21,8 +21,8 @@ import numpy as np
 
 from . import _kernels
 from ._kernels import _numpy
-from .base import (Compressor, Payload, Reader, as_input, dtype_code, make_out, need_out,
-                   payload_nbytes, reuse)
+from .base import (Compressor, Payload, Reader, as_input, compose, dtype_code, fused_kernels,
+                   make_out, need_out, payload_nbytes, reuse)
 
 
 class Fp16Compressor(Compressor):
@@ -32,10 +32,21 @@ class Fp16Compressor(Compressor):
     reduction = "summable"
 
     def compress(self, x: np.ndarray, *, seed: Sequence[int] | int | None = None,
-                 out: Payload | None = None) -> Payload:
+                 out: Payload | None = None, residual: np.ndarray | None = None,
+                 decoded: np.ndarray | None = None) -> Payload:
+        """Encode ``x``; with ``residual`` e, encode ``y = x + e`` and leave ``e = y −
+        decode``; with ``decoded``, leave ``decode`` there (may be ``x``): one fused pass
+        (:func:`~gradcomm.compressors.base.compose` defines the bytes)."""
         x = as_input(x, self.name)
+        fk = None
+        if residual is not None or decoded is not None:
+            fk = fused_kernels(x, residual, decoded, self.name)
+            if fk is None:
+                return compose(self, x, seed, out, residual, decoded)
         v = reuse(out, "v", np.float16, x.size)
-        if x.dtype == np.float16:
+        if fk is not None:
+            fk.fused("f16", x, (v.view(np.uint16),), residual, decoded)
+        elif x.dtype == np.float16:
             v[...] = x
         elif x.dtype == np.float32:
             _kernels.for_size(x.size).f32_to_f16(x, v.view(np.uint16))

@@ -34,8 +34,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import _kernels
-from .base import (Compressor, Payload, Reader, as_float32, as_input, dtype_code, make_out,
-                   need_out, one_of, payload_nbytes, positive_int, reuse, seed_words)
+from .base import (Compressor, Payload, Reader, as_float32, as_input, compose, dtype_code,
+                   fused_kernels, make_out, need_out, one_of, payload_nbytes, positive_int, reuse,
+                   seed_words)
 from ..errors import ConfigError, PayloadError
 
 #: largest bucket a payload may announce (also the option's upper bound)
@@ -81,19 +82,36 @@ class Int8Compressor(Compressor):
         return {"n": n, "dt": dt, "bits": self.bits, "sc": self.scale}
 
     def compress(self, x: np.ndarray, *, seed: Sequence[int] | int | None = None,
-                 out: Payload | None = None) -> Payload:
+                 out: Payload | None = None, residual: np.ndarray | None = None,
+                 decoded: np.ndarray | None = None) -> Payload:
+        """Encode ``x``; with ``residual`` e, encode ``y = x + e`` and leave ``e = y −
+        decode``; with ``decoded``, leave ``decode`` there (may be ``x``): one fused pass
+        (:func:`~gradcomm.compressors.base.compose` defines the bytes)."""
         x = as_input(x, self.name)
+        fk = None
+        if residual is not None or decoded is not None:
+            fk = fused_kernels(x, residual, decoded, self.name)
+            if fk is None:
+                return compose(self, x, seed, out, residual, decoded)
         x32, n, k = as_float32(x), x.size, _kernels.for_size(x.size)
         stochastic = self.rounding == "stochastic"
         key = seed_words(seed) if stochastic else np.zeros(4, np.uint32)
         q = reuse(out, "q", np.uint8, (n * self.bits + 7) // 8)
         header = self._header(n, dtype_code(x.dtype))
         if self.scale is not None:
-            k.fixed_encode(x32, self.bits, self.scale, stochastic, key, q)
+            if fk is not None:
+                fk.fused("fixed", x32, (self.bits, self.scale, stochastic, key, q), residual,
+                         decoded)
+            else:
+                k.fixed_encode(x32, self.bits, self.scale, stochastic, key, q)
             return Payload(self.name, header, {"q": q})
         nb = -(-n // self.bucket_size)
         lo, unit = reuse(out, "lo", np.float32, nb), reuse(out, "unit", np.float32, nb)
-        k.minmax_encode(x32, self.bucket_size, self.bits, stochastic, key, lo, unit, q)
+        args = (self.bucket_size, self.bits, stochastic, key, lo, unit, q)
+        if fk is not None:
+            fk.fused("minmax", x32, args, residual, decoded)
+        else:
+            k.minmax_encode(x32, *args)
         return Payload(self.name, header, {"lo": lo, "unit": unit, "q": q})
 
     def decompress(self, payload: Payload, out: np.ndarray | None = None,

@@ -20,8 +20,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import _kernels
-from .base import (Compressor, Payload, Reader, as_float32, as_input, dtype_code, make_out,
-                   need_out, payload_nbytes, reuse)
+from .base import (Compressor, Payload, Reader, as_float32, as_input, compose, dtype_code,
+                   fused_kernels, make_out, need_out, payload_nbytes, reuse)
 from .int8 import MAX_BUCKET, bucket_option
 from ..errors import PayloadError
 
@@ -39,13 +39,25 @@ class OneBitCompressor(Compressor):
         return {"bucket_size": self.bucket_size}
 
     def compress(self, x: np.ndarray, *, seed: Sequence[int] | int | None = None,
-                 out: Payload | None = None) -> Payload:
+                 out: Payload | None = None, residual: np.ndarray | None = None,
+                 decoded: np.ndarray | None = None) -> Payload:
+        """Encode ``x``; with ``residual`` e, encode ``y = x + e`` and leave ``e = y −
+        decode``; with ``decoded``, leave ``decode`` there (may be ``x``): one fused pass
+        (:func:`~gradcomm.compressors.base.compose` defines the bytes)."""
         x = as_input(x, self.name)
+        fk = None
+        if residual is not None or decoded is not None:
+            fk = fused_kernels(x, residual, decoded, self.name)
+            if fk is None:
+                return compose(self, x, seed, out, residual, decoded)
         n, bs = x.size, self.bucket_size
         nb = -(-n // bs)
         pos, neg = reuse(out, "pos", np.float32, nb), reuse(out, "neg", np.float32, nb)
         q = reuse(out, "q", np.uint8, (n + 7) // 8)
-        _kernels.for_size(n).onebit_encode(as_float32(x), bs, pos, neg, q)
+        if fk is not None:
+            fk.fused("onebit", x, (bs, pos, neg, q), residual, decoded)
+        else:
+            _kernels.for_size(n).onebit_encode(as_float32(x), bs, pos, neg, q)
         return Payload(self.name, {"n": n, "dt": dtype_code(x.dtype), "bs": bs},
                        {"pos": pos, "neg": neg, "q": q})
 

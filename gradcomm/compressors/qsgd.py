@@ -25,8 +25,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import _kernels
-from .base import (Compressor, Payload, Reader, as_float32, as_input, dtype_code, make_out,
-                   need_out, payload_nbytes, positive_int, reuse, seed_words)
+from .base import (Compressor, Payload, Reader, as_float32, as_input, compose, dtype_code,
+                   fused_kernels, make_out, need_out, payload_nbytes, positive_int, reuse,
+                   seed_words)
 from .int8 import MAX_BUCKET, bucket_option
 from ..errors import ConfigError, PayloadError
 
@@ -58,14 +59,26 @@ class QSGDCompressor(Compressor):
         return {"levels": self.levels, "bucket_size": self.bucket_size}
 
     def compress(self, x: np.ndarray, *, seed: Sequence[int] | int | None = None,
-                 out: Payload | None = None) -> Payload:
+                 out: Payload | None = None, residual: np.ndarray | None = None,
+                 decoded: np.ndarray | None = None) -> Payload:
+        """Encode ``x``; with ``residual`` e, encode ``y = x + e`` and leave ``e = y −
+        decode``; with ``decoded``, leave ``decode`` there (may be ``x``): one fused pass
+        (:func:`~gradcomm.compressors.base.compose` defines the bytes)."""
         x = as_input(x, self.name)
+        fk = None
+        if residual is not None or decoded is not None:
+            fk = fused_kernels(x, residual, decoded, self.name)
+            if fk is None:
+                return compose(self, x, seed, out, residual, decoded)
         n, s, bs = x.size, self.levels, self.bucket_size
         bits = code_bits(s)
         norm = reuse(out, "norm", np.float32, -(-n // bs))
         q = reuse(out, "q", np.uint8, (n * bits + 7) // 8)
-        _kernels.for_size(n).signlevel_encode(as_float32(x), bs, s, bits, True, seed_words(seed),
-                                        norm, q)
+        args = (bs, s, bits, True, seed_words(seed), norm, q)
+        if fk is not None:
+            fk.fused("signlevel", x, args, residual, decoded)
+        else:
+            _kernels.for_size(n).signlevel_encode(as_float32(x), *args)
         return Payload(self.name, {"n": n, "dt": dtype_code(x.dtype), "s": s, "bs": bs},
                        {"norm": norm, "q": q})
 

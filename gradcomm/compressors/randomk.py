@@ -23,8 +23,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import _kernels
-from .base import (Compressor, Payload, Reader, as_input, dtype_code, make_out, need_out,
-                   payload_nbytes, reuse, seed_words)
+from .base import (Compressor, Payload, Reader, as_input, dtype_code, fused_kernels, make_out,
+                   need_out, payload_nbytes, reuse, seed_words)
 from .topk import k_of, k_options
 from ..errors import PayloadError
 
@@ -52,15 +52,30 @@ class RandomKCompressor(Compressor):
         return _kernels.for_size(n).randomk_indices(seed_words(seed), n, self.k_for(n))
 
     def compress(self, x: np.ndarray, *, seed: Sequence[int] | int | None = None,
-                 out: Payload | None = None) -> Payload:
+                 out: Payload | None = None, residual: np.ndarray | None = None,
+                 decoded: np.ndarray | None = None) -> Payload:
+        """Keep the seed's ``k`` positions; with ``residual`` e, of ``y = x + e`` (summed
+        into ``e``), leaving ``e = y − decode``; with ``decoded``, leave ``decode`` there
+        (may be ``x``): the bytes of :func:`~gradcomm.compressors.base.compose`."""
         x = as_input(x, self.name)
         n, key = x.size, seed_words(seed)
+        if residual is not None or decoded is not None:
+            fused_kernels(x, residual, decoded, self.name)          # validates
+        if residual is not None:
+            np.add(x, residual, out=residual)
+            x = residual
         k = _kernels.for_size(n)
         idx = k.randomk_indices(key, n, self.k_for(n))
         v = reuse(out, "v", x.dtype, idx.size)
         np.take(x, idx, out=v)
         if idx.size and not k.all_finite(x):
             v.fill(np.nan)
+        if residual is not None:
+            with np.errstate(invalid="ignore"):         # inf - inf: NaN, by design
+                residual[idx] = residual[idx] - v
+        if decoded is not None:
+            decoded.fill(0)
+            decoded[idx] = v
         return Payload(self.name, {"n": n, "dt": dtype_code(x.dtype), "k": int(idx.size),
                                    "key": [int(w) for w in key]}, {"v": v})
 

@@ -26,8 +26,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import _kernels
-from .base import (Compressor, Payload, Reader, as_input, dtype_code, make_out, need_out,
-                   payload_nbytes, reuse)
+from .base import (Compressor, Payload, Reader, as_input, dtype_code, fused_kernels, make_out,
+                   need_out, payload_nbytes, reuse)
 from ..errors import ConfigError, PayloadError
 
 
@@ -77,13 +77,29 @@ class TopKCompressor(Compressor):
         return k_of(self.ratio, self.k, n)
 
     def compress(self, x: np.ndarray, *, seed: Sequence[int] | int | None = None,
-                 out: Payload | None = None) -> Payload:
+                 out: Payload | None = None, residual: np.ndarray | None = None,
+                 decoded: np.ndarray | None = None) -> Payload:
+        """Select the top ``k``; with ``residual`` e, select from ``y = x + e`` (summed into
+        ``e``) and leave ``e = y − decode`` (y with the kept elements zeroed); with
+        ``decoded``, leave ``decode`` there (may be ``x``): the bytes of
+        :func:`~gradcomm.compressors.base.compose`, with no decoding pass."""
         x = as_input(x, self.name)
         n = x.size
+        if residual is not None or decoded is not None:
+            fused_kernels(x, residual, decoded, self.name)          # validates
+        if residual is not None:
+            np.add(x, residual, out=residual)
+            x = residual
         idx, vals = _kernels.for_size(n).topk_select(x, self.k_for(n))
         i, v = reuse(out, "i", index_dtype(n), idx.size), reuse(out, "v", x.dtype, idx.size)
         i[...] = idx
         v[...] = vals
+        if residual is not None:
+            with np.errstate(invalid="ignore"):         # inf - inf: NaN, by design
+                residual[idx] = residual[idx] - v
+        if decoded is not None:
+            decoded.fill(0)
+            decoded[idx] = v
         return Payload(self.name, {"n": n, "dt": dtype_code(x.dtype), "k": int(idx.size)},
                        {"i": i, "v": v})
 

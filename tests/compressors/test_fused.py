@@ -64,3 +64,57 @@ def test_add_needs_out(name: str) -> None:
     p = c.compress(np.ones(4, np.float32))
     with pytest.raises(ConfigError, match="add=True needs out"):
         c.decompress(p, add=True)
+
+
+MODES = ("residual", "decoded", "both", "decoded=x")
+
+
+@pytest.mark.parametrize("name,opts", CONFIGS, ids=IDS)
+def test_fused_compress_is_the_composition(name: str, opts: dict,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """``compress(x, residual=e, decoded=d)`` gives the payload, residual and decoded
+    values of :func:`compose` (y = x + e; encode; decode; e = y - d) on both paths."""
+    from gradcomm.compressors.base import compose
+
+    c = get(name, **opts)
+    if name == "none":
+        pytest.skip("none has no fused compress (lossless: nothing to feed back)")
+    for path in _paths(monkeypatch):
+        for dtype in DTYPES:
+            for n in (1, 9, 3000):
+                x = data(n, dtype, 7)
+                if n > 8:
+                    x[3], x[4], x[6] = np.nan, np.inf, -0.0
+                e0 = (data(n, dtype, 8) * 0.25).astype(dtype)
+                for mode in MODES:
+                    args = {}
+                    ref_x, got_x = x.copy(), x.copy()
+                    ref_e, got_e = e0.copy(), e0.copy()
+                    ref_d, got_d = np.full(n, 9, dtype), np.full(n, 9, dtype)
+                    if mode in ("residual", "both"):
+                        args = {"residual": (ref_e, got_e)}
+                    if mode in ("decoded", "both"):
+                        args["decoded"] = (ref_d, got_d)
+                    if mode == "decoded=x":
+                        args = {"residual": (ref_e, got_e), "decoded": (ref_x, got_x)}
+                    want = compose(c, ref_x, 3, None, *(args.get(k, (None,))[0]
+                                                        for k in ("residual", "decoded")))
+                    got = c.compress(got_x, seed=3, **{k: v[1] for k, v in args.items()})
+                    assert got.to_bytes().tobytes() == want.to_bytes().tobytes(), \
+                        (path, dtype, n, mode)
+                    for a, b in ((ref_x, got_x), (ref_e, got_e), (ref_d, got_d)):
+                        assert _same(b, a), (path, dtype, n, mode)
+
+
+def test_fused_arguments_are_checked() -> None:
+    c = get("int8")
+    x = np.ones(8, np.float32)
+    for bad in (np.ones(7, np.float32), np.ones(8, np.float64), np.ones((2, 4), np.float32)):
+        with pytest.raises(ConfigError, match="residual must be a flat writable float32"):
+            c.compress(x, residual=bad)
+    with pytest.raises(ConfigError, match="must not overlap"):
+        c.compress(x, residual=x)
+    ro = np.ones(8, np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(ConfigError, match="decoded must be"):
+        c.compress(x, decoded=ro)

@@ -649,6 +649,286 @@ def onebit_decode(packed, n, bs, pos, neg, out, add=False):
     return _onebit_decode(packed, n, bs, pos, neg, out, add) if n else 0
 
 
+# --- fused compression (error feedback, round trips) ----------------------------------------
+#: this module has fused encoders: ``y = x + e`` is encoded; then ``e = y - decode`` and/or
+#: ``d = decode`` in the same pass over each bucket (see :func:`fused`)
+FUSED = True
+_NONE32 = np.zeros(1, np.float32)
+
+@njit(**_JIT)
+def _f16_encode_fused(x, v, e, d, mode):
+    for i in range(x.size):
+        y = x[i] + e[i] if mode & 1 else x[i]
+        h = _f32_to_f16_bits(y)
+        if y != y:
+            h = np.uint16(0xFE00) if np.signbit(y) else np.uint16(0x7E00)
+        v[i] = h
+        f = _f16_bits_to_f32(h)       # a canonical NaN half widens to the canonical NaN
+        if mode & 1:
+            e[i] = y - f
+        if mode & 2:
+            d[i] = f
+
+
+@njit(**_JIT)
+def _bf16_encode_fused(x, v, e, d, mode):
+    for i in range(x.size):
+        y = x[i] + e[i] if mode & 1 else x[i]
+        b = _f32_as_u32(y)
+        if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+            h = np.uint16((b >> np.uint32(16)) | np.uint32(0x40))
+        else:
+            h = np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1)))
+                          >> np.uint32(16))
+        v[i] = h
+        f = _u32_as_f32(np.uint32(np.uint32(h) << np.uint32(16)))
+        if mode & 1:
+            e[i] = y - f
+        if mode & 2:
+            d[i] = f
+
+
+@intrinsic
+def _f32_as_u32(typingctx, x):
+    """The bits of the float32 ``x``."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+    return types.uint32(types.float32), codegen
+
+
+@njit(**_JIT)
+def _minmax_encode_fused(x, bs, bits, stochastic, key, lo_out, unit_out, packed, e, d, mode):
+    n = x.size
+    ys = np.empty(max(1, min(bs, n)), np.float32)
+    L = (1 << bits) - 1
+    fL = np.float32(L)
+    zero = np.float32(0.0)
+    xi = x.view(np.int32)
+    c = np.empty(min(bs, n), np.uint8)
+    w = np.empty(min(bs, n) // 2 + 4, np.uint32)
+    wh = w.view(np.uint16)
+    one = np.empty(1, np.int32)
+    for b in range((n + bs - 1) // bs):
+        s = b * bs
+        m = min(bs, n - s)
+        xs = x[s:s + m]
+        if mode & 1:
+            for i in range(m):
+                ys[i] = xs[i] + e[s + i]
+            xs = ys[:m]
+        lo_k, hi_k = _key_minmax(xs.view(np.int32), m)
+        bad = hi_k >= _KEY_PINF or lo_k <= _KEY_NINF
+        lo = _unkey(lo_k, one)
+        hi = _unkey(hi_k, one)
+        rng = np.float64(hi) - np.float64(lo)
+        ok = (not bad) and rng > 0
+        lo_out[b] = _F32_NAN if bad else lo
+        unit_out[b] = _F32_NAN if bad else np.float32(rng / L)
+        if not ok:
+            for i in range(m):
+                c[i] = 0
+        else:
+            inv = np.float32(min(L / rng, _FLT_MAX))
+            if stochastic:
+                _fill_bucket_words(key, s, m, w)
+                for i in range(m):
+                    q = np.floor((xs[i] - lo) * inv + _u(wh[i]))
+                    c[i] = np.uint8(min(max(q, zero), fL))
+            else:
+                for i in range(m):
+                    q = np.floor((xs[i] - lo) * inv + np.float32(0.5))
+                    c[i] = np.uint8(min(max(q, zero), fL))
+        _pack_into(c, m, bits, packed[(s // 8) * bits:])
+        if mode:
+            lb, ub = lo_out[b], unit_out[b]
+            for i in range(m):
+                dv = lb + np.float32(c[i]) * ub
+                if mode & 1:
+                    e[s + i] = xs[i] - dv
+                if mode & 2:
+                    d[s + i] = dv
+
+
+@njit(**_JIT)
+def _fixed_encode_fused(x, bits, scale, stochastic, key, packed, e, d, mode):
+    n = x.size
+    ys = np.empty(max(1, _FIXED_BLOCK), np.float32)
+    L = (1 << (bits - 1)) - 1
+    fL = np.float32(L)
+    mul = np.float32(min(L / scale, _FLT_MAX))
+    c = np.empty(_FIXED_BLOCK, np.uint8)
+    w = np.empty(_FIXED_BLOCK // 2 + 4, np.uint32)
+    wh = w.view(np.uint16)
+    for s in range(0, n, _FIXED_BLOCK):
+        m = min(_FIXED_BLOCK, n - s)
+        xs = x[s:s + m]
+        if mode & 1:
+            for i in range(m):
+                ys[i] = xs[i] + e[s + i]
+            xs = ys[:m]
+        if stochastic:
+            _fill_bucket_words(key, s, m, w)
+        for i in range(m):
+            v = xs[i]
+            u = _u(wh[i]) if stochastic else np.float32(0.5)
+            q = min(max(np.floor(v * mul + u), -fL), fL) + fL
+            c[i] = np.uint8(q) if np.isfinite(v) else np.uint8(2 * L + 1)
+        _pack_into(c, m, bits, packed[(s // 8) * bits:])
+        if mode:
+            step = np.float32(scale / L)
+            for i in range(m):
+                dv = _F32_NAN if c[i] == 2 * L + 1 else (np.float32(c[i]) - fL) * step
+                if mode & 1:
+                    e[s + i] = xs[i] - dv
+                if mode & 2:
+                    d[s + i] = dv
+
+
+@njit(**_JIT)
+def _signlevel_encode_fused(x, bs, s_, bits, l2, key, scale_out, packed, e, d, mode):
+    n = x.size
+    ys = np.empty(max(1, min(bs, n)), np.float32)
+    xi = x.view(np.int32)
+    c = np.empty(min(bs, n), np.uint8)
+    w = np.empty(min(bs, n) // 2 + 4, np.uint32)
+    wh = w.view(np.uint16)
+    acc = np.zeros(LANES)
+    sbit = np.uint8(1 << (bits - 1))
+    fs = np.float32(s_)
+    one = np.empty(1, np.int32)
+    for b in range((n + bs - 1) // bs):
+        s = b * bs
+        m = min(bs, n - s)
+        xs = x[s:s + m]
+        if mode & 1:
+            for i in range(m):
+                ys[i] = xs[i] + e[s + i]
+            xs = ys[:m]
+        if l2:
+            acc[:] = 0.0
+            full = m // LANES
+            for t in range(full):
+                r = xs[t * LANES:(t + 1) * LANES]
+                for j in range(LANES):
+                    v = np.float64(r[j])
+                    acc[j] += v * v
+            for j in range(m - full * LANES):
+                v = np.float64(xs[full * LANES + j])
+                acc[j] += v * v
+            total = _fold(acc)
+            bad = not np.isfinite(total)
+            scale = np.float32(0.0) if bad else np.float32(np.sqrt(total))
+        else:
+            ks = xs.view(np.int32)
+            mk = np.int32(0)
+            for i in range(m):
+                mk = max(mk, ks[i] & np.int32(0x7FFFFFFF))
+            bad = mk >= _KEY_PINF
+            one[0] = 0 if bad else mk
+            scale = one.view(np.float32)[0]
+        ok = (not bad) and scale > 0
+        scale_out[b] = _F32_NAN if bad else scale
+        if not ok:
+            for i in range(m):
+                c[i] = 0
+        else:
+            mul = np.float32(min(s_ / np.float64(scale), _FLT_MAX))
+            _fill_bucket_words(key, s, m, w)
+            for i in range(m):
+                v = xs[i]
+                lv = np.uint8(min(np.floor(abs(v) * mul + _u(wh[i])), fs))
+                c[i] = lv | (sbit if (v < 0 and lv > 0) else np.uint8(0))
+        _pack_into(c, m, bits, packed[(s // 8) * bits:])
+        if mode:
+            unit = np.float32(np.float64(scale_out[b]) / s_)
+            lmask = np.uint8(sbit - 1)
+            for i in range(m):
+                dv = -(np.float32(c[i] & lmask) * unit) if c[i] & sbit else np.float32(c[i] & lmask) * unit
+                if mode & 1:
+                    e[s + i] = xs[i] - dv
+                if mode & 2:
+                    d[s + i] = dv
+
+
+@njit(**_JIT)
+def _onebit_encode_fused(x, bs, pos_out, neg_out, packed, e, d, mode):
+    n = x.size
+    ys = np.empty(max(1, min(bs, n)), np.float32)
+    c = np.empty(min(bs, n), np.uint8)
+    ps = np.zeros(LANES)
+    ns = np.zeros(LANES)
+    cn = np.zeros(LANES, np.int32)
+    for b in range((n + bs - 1) // bs):
+        s = b * bs
+        m = min(bs, n - s)
+        xs = x[s:s + m]
+        if mode & 1:
+            for i in range(m):
+                ys[i] = xs[i] + e[s + i]
+            xs = ys[:m]
+        ps[:] = 0.0
+        ns[:] = 0.0
+        cn[:] = 0
+        full = m // LANES
+        for t in range(full):
+            r = xs[t * LANES:(t + 1) * LANES]
+            for j in range(LANES):
+                v = np.float64(r[j])
+                ps[j] += max(v, 0.0)
+                ns[j] += min(v, 0.0)
+                cn[j] += r[j] >= np.float32(0.0)
+        for j in range(m - full * LANES):
+            v = np.float64(xs[full * LANES + j])
+            ps[j] += max(v, 0.0)
+            ns[j] += min(v, 0.0)
+            cn[j] += xs[full * LANES + j] >= np.float32(0.0)
+        psum = _fold(ps)
+        nsum = _fold(ns)
+        cnt = 0
+        for j in range(LANES):
+            cnt += cn[j]
+        if not (np.isfinite(psum) and np.isfinite(nsum)):
+            pos_out[b] = _F32_NAN
+            neg_out[b] = _F32_NAN
+            for i in range(m):
+                c[i] = 0
+        else:
+            pos_out[b] = np.float32(psum / cnt) if cnt > 0 else np.float32(0.0)
+            neg_out[b] = np.float32(nsum / (m - cnt)) if m - cnt > 0 else np.float32(0.0)
+            for i in range(m):
+                c[i] = xs[i] >= np.float32(0.0)
+        _pack_into(c, m, 1, packed[s // 8:])
+        if mode:
+            pb, nb_ = pos_out[b], neg_out[b]
+            for i in range(m):
+                dv = pb if c[i] else nb_
+                if mode & 1:
+                    e[s + i] = xs[i] - dv
+                if mode & 2:
+                    d[s + i] = dv
+
+
+_FUSED_KERNELS = {"f16": _f16_encode_fused, "bf16": _bf16_encode_fused,
+              "minmax": _minmax_encode_fused, "fixed": _fixed_encode_fused,
+              "signlevel": _signlevel_encode_fused, "onebit": _onebit_encode_fused}
+
+
+def fused(kind, x, args, residual=None, decoded=None):
+    """Encode float32 ``x`` (+ ``residual``) with encoder ``kind``'s arguments ``args``
+    (those of the plain encoder after ``x``), then ``residual = y - decoded`` and/or
+    ``decoded = decode`` per bucket, as the composition of the plain kernels would: the
+    same bytes. ``decoded`` may be ``x``."""
+    if not x.size:
+        return
+    mode = (residual is not None) | 2 * (decoded is not None)
+    e = residual if residual is not None else _NONE32
+    d = decoded if decoded is not None else _NONE32
+    _FUSED_KERNELS[kind](x, *args, e, d, mode)
+
+
 # --- topk / randomk ------------------------------------------------------------------------
 
 _SAMPLE = 1 << 14

@@ -33,7 +33,7 @@ UnsupportedError / ConfigError naming the pairs that do.
 ``algorithm="auto"`` picks the route with the lowest modelled time (:func:`route_times`):
 ``T = α·messages + β·bytes sent + e·elements encoded + g·elements decoded`` per rank,
 for n elements, c = ``max_nbytes`` of the whole buffer, p ranks (q = 2^floor(log2 p),
-k = log2 q, m = ceil(c/p / 512 KiB) chunks per segment):
+k = log2 q, m = ceil(c/p / CHUNK_BYTES) chunks per segment):
 
 ======================  ==============  ============  ========  ========================
 route                   messages        bytes sent    encoded   decoded

@@ -655,36 +655,71 @@ def onebit_decode(packed, n, bs, pos, neg, out, add=False):
 FUSED = True
 _NONE32 = np.zeros(1, np.float32)
 
+@njit(inline="always", **_JIT)
+def _f16_round(y):
+    """(half bits, their float32 value) of float32 ``y``: NaN becomes the canonical NaN
+    of its sign, which widens to the canonical float32 NaN."""
+    h = _f32_to_f16_bits(y)
+    if y != y:
+        h = np.uint16(0xFE00) if np.signbit(y) else np.uint16(0x7E00)
+    return h, _f16_bits_to_f32(h)
+
+
 @njit(**_JIT)
 def _f16_encode_fused(x, v, e, d, mode):
-    for i in range(x.size):
-        y = x[i] + e[i] if mode & 1 else x[i]
-        h = _f32_to_f16_bits(y)
-        if y != y:
-            h = np.uint16(0xFE00) if np.signbit(y) else np.uint16(0x7E00)
-        v[i] = h
-        f = _f16_bits_to_f32(h)       # a canonical NaN half widens to the canonical NaN
-        if mode & 1:
+    n = x.size
+    if mode == 1:
+        for i in range(n):
+            y = x[i] + e[i]
+            h, f = _f16_round(y)
+            v[i] = h
             e[i] = y - f
-        if mode & 2:
+    elif mode == 2:
+        for i in range(n):
+            h, f = _f16_round(x[i])
+            v[i] = h
             d[i] = f
+    else:
+        for i in range(n):
+            y = x[i] + e[i]
+            h, f = _f16_round(y)
+            v[i] = h
+            e[i] = y - f
+            d[i] = f
+
+
+@njit(inline="always", **_JIT)
+def _bf16_round(y):
+    """(bfloat16 bits, their float32 value) of float32 ``y``, as f32_to_bf16 rounds."""
+    b = _f32_as_u32(y)
+    if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+        h = np.uint16((b >> np.uint32(16)) | np.uint32(0x40))
+    else:
+        h = np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1)))
+                      >> np.uint32(16))
+    return h, _u32_as_f32(np.uint32(np.uint32(h) << np.uint32(16)))
 
 
 @njit(**_JIT)
 def _bf16_encode_fused(x, v, e, d, mode):
-    for i in range(x.size):
-        y = x[i] + e[i] if mode & 1 else x[i]
-        b = _f32_as_u32(y)
-        if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
-            h = np.uint16((b >> np.uint32(16)) | np.uint32(0x40))
-        else:
-            h = np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1)))
-                          >> np.uint32(16))
-        v[i] = h
-        f = _u32_as_f32(np.uint32(np.uint32(h) << np.uint32(16)))
-        if mode & 1:
+    n = x.size
+    if mode == 1:
+        for i in range(n):
+            y = x[i] + e[i]
+            h, f = _bf16_round(y)
+            v[i] = h
             e[i] = y - f
-        if mode & 2:
+    elif mode == 2:
+        for i in range(n):
+            h, f = _bf16_round(x[i])
+            v[i] = h
+            d[i] = f
+    else:
+        for i in range(n):
+            y = x[i] + e[i]
+            h, f = _bf16_round(y)
+            v[i] = h
+            e[i] = y - f
             d[i] = f
 
 
@@ -716,8 +751,9 @@ def _minmax_encode_fused(x, bs, bits, stochastic, key, lo_out, unit_out, packed,
         m = min(bs, n - s)
         xs = x[s:s + m]
         if mode & 1:
+            es = e[s:s + m]
             for i in range(m):
-                ys[i] = xs[i] + e[s + i]
+                ys[i] = xs[i] + es[i]
             xs = ys[:m]
         lo_k, hi_k = _key_minmax(xs.view(np.int32), m)
         bad = hi_k >= _KEY_PINF or lo_k <= _KEY_NINF
@@ -744,12 +780,20 @@ def _minmax_encode_fused(x, bs, bits, stochastic, key, lo_out, unit_out, packed,
         _pack_into(c, m, bits, packed[(s // 8) * bits:])
         if mode:
             lb, ub = lo_out[b], unit_out[b]
-            for i in range(m):
-                dv = lb + np.float32(c[i]) * ub
-                if mode & 1:
-                    e[s + i] = xs[i] - dv
-                if mode & 2:
-                    d[s + i] = dv
+            if mode == 3:
+                ds, es = d[s:s + m], e[s:s + m]
+                for i in range(m):
+                    dv = lb + np.float32(c[i]) * ub
+                    ds[i] = dv
+                    es[i] = xs[i] - dv
+            elif mode == 2:
+                ds = d[s:s + m]
+                for i in range(m):
+                    ds[i] = lb + np.float32(c[i]) * ub
+            else:
+                es = e[s:s + m]
+                for i in range(m):
+                    es[i] = xs[i] - (lb + np.float32(c[i]) * ub)
 
 
 @njit(**_JIT)
@@ -766,8 +810,9 @@ def _fixed_encode_fused(x, bits, scale, stochastic, key, packed, e, d, mode):
         m = min(_FIXED_BLOCK, n - s)
         xs = x[s:s + m]
         if mode & 1:
+            es = e[s:s + m]
             for i in range(m):
-                ys[i] = xs[i] + e[s + i]
+                ys[i] = xs[i] + es[i]
             xs = ys[:m]
         if stochastic:
             _fill_bucket_words(key, s, m, w)
@@ -779,12 +824,20 @@ def _fixed_encode_fused(x, bits, scale, stochastic, key, packed, e, d, mode):
         _pack_into(c, m, bits, packed[(s // 8) * bits:])
         if mode:
             step = np.float32(scale / L)
-            for i in range(m):
-                dv = _F32_NAN if c[i] == 2 * L + 1 else (np.float32(c[i]) - fL) * step
-                if mode & 1:
-                    e[s + i] = xs[i] - dv
-                if mode & 2:
-                    d[s + i] = dv
+            if mode == 3:
+                ds, es = d[s:s + m], e[s:s + m]
+                for i in range(m):
+                    dv = _F32_NAN if c[i] == 2 * L + 1 else (np.float32(c[i]) - fL) * step
+                    ds[i] = dv
+                    es[i] = xs[i] - dv
+            elif mode == 2:
+                ds = d[s:s + m]
+                for i in range(m):
+                    ds[i] = _F32_NAN if c[i] == 2 * L + 1 else (np.float32(c[i]) - fL) * step
+            else:
+                es = e[s:s + m]
+                for i in range(m):
+                    es[i] = xs[i] - (_F32_NAN if c[i] == 2 * L + 1 else (np.float32(c[i]) - fL) * step)
 
 
 @njit(**_JIT)
@@ -804,8 +857,9 @@ def _signlevel_encode_fused(x, bs, s_, bits, l2, key, scale_out, packed, e, d, m
         m = min(bs, n - s)
         xs = x[s:s + m]
         if mode & 1:
+            es = e[s:s + m]
             for i in range(m):
-                ys[i] = xs[i] + e[s + i]
+                ys[i] = xs[i] + es[i]
             xs = ys[:m]
         if l2:
             acc[:] = 0.0
@@ -845,12 +899,20 @@ def _signlevel_encode_fused(x, bs, s_, bits, l2, key, scale_out, packed, e, d, m
         if mode:
             unit = np.float32(np.float64(scale_out[b]) / s_)
             lmask = np.uint8(sbit - 1)
-            for i in range(m):
-                dv = -(np.float32(c[i] & lmask) * unit) if c[i] & sbit else np.float32(c[i] & lmask) * unit
-                if mode & 1:
-                    e[s + i] = xs[i] - dv
-                if mode & 2:
-                    d[s + i] = dv
+            if mode == 3:
+                ds, es = d[s:s + m], e[s:s + m]
+                for i in range(m):
+                    dv = -(np.float32(c[i] & lmask) * unit) if c[i] & sbit else np.float32(c[i] & lmask) * unit
+                    ds[i] = dv
+                    es[i] = xs[i] - dv
+            elif mode == 2:
+                ds = d[s:s + m]
+                for i in range(m):
+                    ds[i] = -(np.float32(c[i] & lmask) * unit) if c[i] & sbit else np.float32(c[i] & lmask) * unit
+            else:
+                es = e[s:s + m]
+                for i in range(m):
+                    es[i] = xs[i] - (-(np.float32(c[i] & lmask) * unit) if c[i] & sbit else np.float32(c[i] & lmask) * unit)
 
 
 @njit(**_JIT)
@@ -866,8 +928,9 @@ def _onebit_encode_fused(x, bs, pos_out, neg_out, packed, e, d, mode):
         m = min(bs, n - s)
         xs = x[s:s + m]
         if mode & 1:
+            es = e[s:s + m]
             for i in range(m):
-                ys[i] = xs[i] + e[s + i]
+                ys[i] = xs[i] + es[i]
             xs = ys[:m]
         ps[:] = 0.0
         ns[:] = 0.0
@@ -903,12 +966,20 @@ def _onebit_encode_fused(x, bs, pos_out, neg_out, packed, e, d, mode):
         _pack_into(c, m, 1, packed[s // 8:])
         if mode:
             pb, nb_ = pos_out[b], neg_out[b]
-            for i in range(m):
-                dv = pb if c[i] else nb_
-                if mode & 1:
-                    e[s + i] = xs[i] - dv
-                if mode & 2:
-                    d[s + i] = dv
+            if mode == 3:
+                ds, es = d[s:s + m], e[s:s + m]
+                for i in range(m):
+                    dv = pb if c[i] else nb_
+                    ds[i] = dv
+                    es[i] = xs[i] - dv
+            elif mode == 2:
+                ds = d[s:s + m]
+                for i in range(m):
+                    ds[i] = pb if c[i] else nb_
+            else:
+                es = e[s:s + m]
+                for i in range(m):
+                    es[i] = xs[i] - (pb if c[i] else nb_)
 
 
 _FUSED_KERNELS = {"f16": _f16_encode_fused, "bf16": _bf16_encode_fused,

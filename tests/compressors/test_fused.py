@@ -66,7 +66,7 @@ def test_add_needs_out(name: str) -> None:
         c.decompress(p, add=True)
 
 
-MODES = ("residual", "decoded", "both", "decoded=x")
+MODES = ("residual", "decoded", "both", "decoded=x", "round trip in x")
 
 
 @pytest.mark.parametrize("name,opts", CONFIGS, ids=IDS)
@@ -97,6 +97,8 @@ def test_fused_compress_is_the_composition(name: str, opts: dict,
                         args["decoded"] = (ref_d, got_d)
                     if mode == "decoded=x":
                         args = {"residual": (ref_e, got_e), "decoded": (ref_x, got_x)}
+                    if mode == "round trip in x":
+                        args = {"decoded": (ref_x, got_x)}
                     want = compose(c, ref_x, 3, None, *(args.get(k, (None,))[0]
                                                         for k in ("residual", "decoded")))
                     got = c.compress(got_x, seed=3, **{k: v[1] for k, v in args.items()})

@@ -667,6 +667,7 @@ def _f16_round(y):
 
 @njit(**_JIT)
 def _f16_encode_fused(x, v, e, d, mode):
+    # mode 4: decoded is x itself, written through x (an aliased d defeats vectorization)
     n = x.size
     if mode == 1:
         for i in range(n):
@@ -679,6 +680,18 @@ def _f16_encode_fused(x, v, e, d, mode):
             h, f = _f16_round(x[i])
             v[i] = h
             d[i] = f
+    elif mode == 6:
+        for i in range(n):
+            h, f = _f16_round(x[i])
+            v[i] = h
+            x[i] = f
+    elif mode == 7:
+        for i in range(n):
+            y = x[i] + e[i]
+            h, f = _f16_round(y)
+            v[i] = h
+            e[i] = y - f
+            x[i] = f
     else:
         for i in range(n):
             y = x[i] + e[i]
@@ -702,6 +715,7 @@ def _bf16_round(y):
 
 @njit(**_JIT)
 def _bf16_encode_fused(x, v, e, d, mode):
+    # mode 4: decoded is x itself, written through x (an aliased d defeats vectorization)
     n = x.size
     if mode == 1:
         for i in range(n):
@@ -714,6 +728,18 @@ def _bf16_encode_fused(x, v, e, d, mode):
             h, f = _bf16_round(x[i])
             v[i] = h
             d[i] = f
+    elif mode == 6:
+        for i in range(n):
+            h, f = _bf16_round(x[i])
+            v[i] = h
+            x[i] = f
+    elif mode == 7:
+        for i in range(n):
+            y = x[i] + e[i]
+            h, f = _bf16_round(y)
+            v[i] = h
+            e[i] = y - f
+            x[i] = f
     else:
         for i in range(n):
             y = x[i] + e[i]
@@ -997,6 +1023,9 @@ def fused(kind, x, args, residual=None, decoded=None):
     mode = (residual is not None) | 2 * (decoded is not None)
     e = residual if residual is not None else _NONE32
     d = decoded if decoded is not None else _NONE32
+    if kind in ("f16", "bf16") and decoded is not None and \
+            decoded.ctypes.data == x.ctypes.data:
+        mode, d = mode | 4, _NONE32
     _FUSED_KERNELS[kind](x, *args, e, d, mode)
 
 

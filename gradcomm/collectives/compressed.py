@@ -623,9 +623,9 @@ CODEC_COST: dict[str, tuple[float, float]] = {
 #: an unknown codec's cost (copies per element)
 DEFAULT_COST = (2.0, 1.0)
 #: seconds per compressed message without a profile (transport, framing, parsing)
-ALPHA = 30e-6
+ALPHA = 60e-6
 #: what a compressed message costs beyond a profile's α (framing, parsing, Python)
-WIRE_ALPHA = 20e-6
+WIRE_ALPHA = 40e-6
 #: seconds per byte sent without a profile (between shared memory and 10 Gbit/s)
 BETA = 0.5e-9
 #: seconds per byte of a memory copy without a profile

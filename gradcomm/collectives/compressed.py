@@ -679,6 +679,28 @@ def route_times(p: int, n: int, c: int, itemsize: int, codec: Compressor,
             for name, (msgs, nbytes, enc, dec) in out.items()}
 
 
+def _link_bound(t: Transport, codec: Compressor, x: np.ndarray) -> bool:
+    """Whether the agreed calibrated profile (if any) models the ring's wire time at more
+    than twice its codec time (then keeping the link busy pays for a worker thread)."""
+    from .auto import agreed_profile
+
+    prof = agreed_profile(t)
+    if prof is None or not x.size:
+        return False
+    p, n = t.size, x.size
+    c = max_nbytes(codec, n, x.dtype.name)
+    coding = route_times(p, n, c, x.itemsize, codec, "ring", _NoLink(prof))["ring"]
+    return prof.beta * 2 * (p - 1) / p * c > 2 * coding
+
+
+class _NoLink:
+    """A profile's codec and copy speeds with free messages and bytes."""
+
+    def __init__(self, prof: Any) -> None:
+        self.alpha, self.beta = -WIRE_ALPHA, 0.0
+        self.copy, self.codecs = prof.copy, prof.codecs
+
+
 def _choose(t: Transport, codec: Compressor, n: int, dtype: str, itemsize: int) -> str:
     """``algorithm="auto"``: the route with the lowest modelled time (on a tie the gathered
     route, which does not re-compress)."""
@@ -713,7 +735,7 @@ def _per_hop(t: Transport, x: np.ndarray, codec: Compressor, name: str, seeds: _
     if name in ("ring", "tree") and x.size:
         ratio = x.size * x.itemsize / max(1, max_nbytes(codec, x.size, x.dtype.name))
         kwargs["chunk_bytes"] = max(x.itemsize, int(CHUNK_BYTES * max(1.0, ratio)))
-    if name == "ring" and compressed_ring.wanted(x.nbytes, t):
+    if name == "ring" and compressed_ring.wanted(x.nbytes, t, _link_bound(t, codec, x)):
         compressed_ring.allreduce(t, x, wire, **kwargs)
         return
     algorithm(name)(t, x, Reducer("sum", x.dtype.name), wire=wire, **kwargs)

@@ -17,10 +17,13 @@ codec work runs on one worker thread while the calling thread only moves message
 
 Used only on transports whose requests can be polled (:data:`POLLABLE`), for large
 messages (:data:`MIN_BYTES`; a thread costs more than it hides on small ones), and when
-the node has a spare core per rank for the worker: measured on a 2-core machine running
-2 ranks (load 2-3), the worker made the ring 10-40 % *slower* (the four threads share two
-cores, and handing each chunk across threads adds latency), so there the serial ring,
-whose transfers already overlap the peer's codec work, is used. Every wait has the transport's deadline; an error on the worker (a bad peer
+the node has a spare core per rank for the worker, or a calibrated profile says the link
+is the bottleneck. Measured on a 2-core machine running 2 ranks (100 MB, float32): over
+shared memory and over a 10 Gbit/s link the worker made the ring 0-40 % *slower* (four
+threads share two cores; each chunk crosses threads); over 1 Gbit/s it made fp16 and int8
+20-25 % faster (MPI over TCP moves data only while a rank is inside an MPI call: the
+serial ring stalls the link while it computes), onebit and top-k 10-20 % slower (their
+payloads are small: codec-bound). Every wait has the transport's deadline; an error on the worker (a bad peer
 frame) or a deadline abandons the pending messages and is raised in the caller.
 
 The environment variable ``GRADCOMM_PIPELINE`` set to ``0`` turns the pipelined path
@@ -80,15 +83,18 @@ def local_ranks(t: Transport | None) -> int:
     return t.size if t is not None and t.name == "threads" else 1
 
 
-def wanted(nbytes: int, t: Transport | None = None) -> bool:
+def wanted(nbytes: int, t: Transport | None = None, link_bound: bool = False) -> bool:
     """Whether a compressed ring of ``nbytes`` dense bytes on ``t`` takes this path: a
-    pollable transport, a large message, and a spare core per rank for its worker."""
+    pollable transport, a large message, and either a spare core per rank for its worker
+    or a link so slow (``link_bound``: a calibrated profile models the wire time above
+    twice the codec time) that keeping it busy is worth sharing the cores."""
     if t is not None and t.name not in POLLABLE:
         return False
     env = os.environ.get("GRADCOMM_PIPELINE", "")
     if env in ("0", "1"):
         return env == "1"
-    return nbytes >= MIN_BYTES and (os.cpu_count() or 1) >= 2 * local_ranks(t)
+    return nbytes >= MIN_BYTES and (
+        link_bound or (os.cpu_count() or 1) >= 2 * local_ranks(t))
 
 
 class _Task:

@@ -147,3 +147,31 @@ def test_pipelined_ring_on_real_launchers(launcher: str, p: int) -> None:
     for name, opts in CODECS:
         digests = {r[f"{name}{opts}/{pipe}"] for r in res for pipe in ("0", "1")}
         assert len(digests) == 1, (name, opts)
+
+
+def test_a_slow_link_in_the_profile_takes_the_pipeline(monkeypatch) -> None:
+    """Without a spare core, a calibrated profile whose link is slow against the codec
+    (1 Gbit/s-like beta) still turns the worker on for wire-heavy codecs; a fast one not."""
+    from gradcomm.collectives import auto
+    from gradcomm.collectives.costmodel import Profile
+
+    monkeypatch.delenv("GRADCOMM_PIPELINE", raising=False)
+    monkeypatch.setattr(compressed_ring.os, "cpu_count", lambda: 1)
+
+    def bound(beta):
+        prof = Profile("threads", 2, alpha=5e-5, beta=beta, gamma={"float32": 1e-10},
+                       copy=1e-10)
+
+        def fn(t):
+            auto.use_profile(t, prof)
+            auto.agree_profile(t)
+            x = np.zeros(1 << 22, np.float32)
+            out = {}
+            for name in ("fp16", "onebit"):
+                link = C._link_bound(t, compressors.get(name), x)
+                out[name] = link and compressed_ring.wanted(x.nbytes, t, link)
+            return out
+        return run_ranks(2, fn)[0]
+
+    assert bound(8e-9) == {"fp16": True, "onebit": False}
+    assert bound(1e-10) == {"fp16": False, "onebit": False}

@@ -720,6 +720,7 @@ for src in [s for s in range(p) for _ in range(reps)]:
 out = [None] * p
 dist.all_gather_object(out, res)
 if r == 0: print("RESULT " + json.dumps([x for part in out for x in part]), flush=True)
+dist.barrier()
 dist.destroy_process_group()
 """
 

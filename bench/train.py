@@ -394,6 +394,7 @@ def rank_main(args: argparse.Namespace) -> int:
             if args.json:     # rewritten after each section: a long run keeps what it has
                 with open(args.json, "w") as f:
                     json.dump(doc, f, indent=1)
+        dist.barrier()    # no rank tears gloo down while a peer still talks (it aborts)
     finally:
         dist.destroy_process_group()
     return 0

@@ -365,11 +365,12 @@ def _run_torch(args: argparse.Namespace) -> int:
     t, base = launch.torch_world()
     t.timeout = float(args.timeout)
     plan = make_plan(args, base.name)
+    import torch.distributed as dist
+
     try:
         rank_main(t, args, plan, base, "torchrun")
+        dist.barrier()    # no rank tears gloo down while a peer still talks (it aborts)
     finally:
-        import torch.distributed as dist
-
         dist.destroy_process_group()
     return 0
 

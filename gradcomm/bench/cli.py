@@ -228,7 +228,7 @@ def environment(t: Any, launcher: str) -> dict[str, Any]:
         from mpi4py import MPI
 
         versions["mpi4py"] = mpi4py.__version__
-        versions["mpi"] = MPI.Get_library_version().strip().splitlines()[0]
+        versions["mpi"] = MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0]
     if "torch" in sys.modules:
         versions["torch"] = sys.modules["torch"].__version__
     return {"ranks": t.size, "transport": t.name, "launcher": launcher,

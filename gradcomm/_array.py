@@ -449,3 +449,139 @@ def copy_from_host(x: Any, data: np.ndarray) -> None:
     else:
         raw.set(src)
     sync(x)
+
+
+# -- array namespaces: codec kernels that run where the data is -------------------------------
+# The device kernels (``compressors/_kernels/_xp.py``) are written once against a
+# numpy-like namespace (the array API, through ``array_api_compat``) and run on numpy,
+# cupy and torch arrays, CPU or CUDA. The few things that namespace lacks are here.
+
+def namespace(x: Any) -> Any:
+    """The array-API namespace of ``x`` (numpy, cupy or torch flavour).
+
+    Example:
+        >>> import numpy as np
+        >>> namespace(np.zeros(2)).__name__
+        'array_api_compat.numpy'
+    """
+    import array_api_compat
+
+    return array_api_compat.array_namespace(x)
+
+
+def dtype_name(a: Any) -> str:
+    """Storage dtype name of a numpy, cupy or torch array (``"float32"``, ``"uint8"`` ...).
+
+    Example:
+        >>> import numpy as np
+        >>> dtype_name(np.zeros(2, np.uint16))
+        'uint16'
+    """
+    if isinstance(a, np.ndarray) or kind(a) == "cupy":
+        return a.dtype.name
+    return str(a.dtype).removeprefix("torch.")
+
+
+def _torch_dtype(name: str) -> Any:
+    import torch
+
+    return getattr(torch, name)
+
+
+def bitcast(a: Any, dtype: str) -> Any:
+    """``a``'s memory read as ``dtype`` of the same item size (no copy), any kind.
+
+    Example:
+        >>> import numpy as np
+        >>> bitcast(np.ones(1, np.float32), "int32").tolist()
+        [1065353216]
+    """
+    if kind(a) == "torch":
+        return a.view(_torch_dtype(dtype))
+    return a.view(dtype)
+
+
+def nbytes(a: Any) -> int:
+    """Bytes held by a numpy, cupy or torch array."""
+    if kind(a) == "torch":
+        return int(a.numel() * a.element_size())
+    return int(a.nbytes)
+
+
+def size(a: Any) -> int:
+    """Element count of a numpy, cupy or torch array."""
+    return int(a.numel()) if kind(a) == "torch" else int(a.size)
+
+
+def empty_like_kind(like: Any, n: int, dtype: str) -> Any:
+    """A new flat array of ``n`` ``dtype`` elements, of ``like``'s kind and device.
+
+    Example:
+        >>> import numpy as np
+        >>> a = empty_like_kind(np.zeros(1), 3, "uint8"); a.dtype.name, a.shape
+        ('uint8', (3,))
+    """
+    k = kind(like)
+    if k == "numpy":
+        return np.empty(n, dtype)
+    if k == "torch":
+        import torch
+
+        return torch.empty(n, dtype=_torch_dtype(dtype), device=like.device)
+    import cupy
+
+    with cupy.cuda.Device(like.device.id):
+        return cupy.empty(n, dtype)
+
+
+def like(a: np.ndarray, ref: Any) -> Any:
+    """Host array ``a`` as an array of ``ref``'s kind and device (no copy where ``ref`` is
+    a host array of that kind; else one host-to-device copy).
+
+    Example:
+        >>> import numpy as np
+        >>> like(np.arange(2), np.zeros(1)).tolist()
+        [0, 1]
+    """
+    k = kind(ref)
+    if k == "numpy":
+        return a
+    if kind(a) != "numpy":
+        raise ConfigError(f"like() takes a host numpy array, got {kind(a)}")
+    if k == "torch":
+        import torch
+
+        if a.dtype == np.uint16:                 # torch.from_numpy lacks uint16
+            t = torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.uint16)
+        else:
+            t = torch.from_numpy(np.ascontiguousarray(a))
+        return t if ref.device.type == "cpu" else t.to(ref.device, non_blocking=False)
+    import cupy
+
+    with cupy.cuda.Device(ref.device.id):
+        return cupy.asarray(a)
+
+
+def host(a: Any) -> np.ndarray:
+    """A host numpy array with ``a``'s elements (``a`` itself if it is one; a view of a
+    CPU tensor; else a device-to-host copy, after the producing stream).
+
+    Example:
+        >>> import numpy as np
+        >>> x = np.zeros(2); host(x) is x
+        True
+    """
+    k = kind(a)
+    if k == "numpy":
+        return a
+    if k == "torch":
+        t = a.detach()
+        if _torch_dtype_name(t) in ("uint16", "bfloat16"):
+            import torch
+
+            t = t.view(torch.int16)
+            return (t.cpu() if t.device.type != "cpu" else t).numpy().view(np.uint16)
+        return t.cpu().numpy() if t.device.type != "cpu" else t.numpy()
+    import cupy
+
+    return cupy.asnumpy(a)

@@ -1,0 +1,250 @@
+"""Array-generic kernels: the numpy reference's bytes on numpy, torch and cupy arrays.
+
+One implementation of every codec kernel, written against the array-API namespace of its
+inputs (:func:`gradcomm._array.namespace`), so the codecs run where the data is: numpy,
+torch CPU/CUDA or cupy. Every function produces exactly the bytes of :mod:`._numpy` (its
+module docstring defines them): the same float32/float64 operations in the same order,
+one operation per array call (nothing can be contracted into an FMA), the 64-lane bucket
+sums as explicit vector adds in the reference order (never ``sum``, whose order is
+unspecified on a GPU), and integer work in int32/int64/uint8 only (torch has no
+arithmetic on uint16/32/64): Philox's 32x32-bit products wrap in int64 exactly as in
+uint64, and the high word is masked after the arithmetic shift.
+
+Signatures are :mod:`._numpy`'s, except that :func:`philox_words`, :func:`dither` and
+``randomk_indices`` take ``like``: an array whose kind and device the result gets.
+Arrays of one call share kind and device; ``key`` is always a host numpy uint32[4]; outputs
+are written in place; counts come back as Python ints.
+
+Example:
+    >>> import numpy as np
+    >>> codes = np.array([1, 2, 3], np.uint8)
+    >>> unpack(pack(codes, 2), 3, 2).tolist(), pack(codes, 2).tolist()
+    ([1, 2, 3], [57])
+    >>> dither(np.array([1, 2, 3, 4], np.uint32), 0, 3, codes).dtype.name
+    'float32'
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import array_api_compat
+import numpy as np
+
+from ... import _array
+
+NAME = "xp"
+FUSED = False
+LANES = 64
+FLT_MAX = float(np.finfo(np.float32).max)
+KEY_PINF = 0x7F800000                    # key(+inf); larger keys are NaNs
+KEY_NINF = -0x7F800001                   # key(-inf); smaller keys are NaNs
+_M32 = 0xFFFFFFFF
+_PM0, _PM1 = 0xD2511F53, 0xCD9E8D57
+_PW0, _PW1 = 0x9E3779B9, 0xBB67AE85
+#: elements per pass (whole buckets): few, large array calls on a device, bounded temporaries
+_CHUNK_ELEMS = 1 << 22
+#: Philox blocks per batch (4 words each)
+_BLOCKS = 1 << 22
+
+
+def _quiet(fn):
+    """Run ``fn`` without numpy's floating-point warnings (no effect on torch or cupy)."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with np.errstate(all="ignore"):
+            return fn(*args, **kwargs)
+    return wrapper
+
+
+# --- helpers ------------------------------------------------------------------------------
+
+def _dev(a: Any) -> Any:
+    """``a``'s device, for the namespace's creation functions."""
+    return array_api_compat.device(a)
+
+
+def _assign(out: Any, v: Any) -> None:
+    """``out[...] = v`` in place (numpy, torch, cupy alike): ``v`` an array of ``out``'s
+    kind and device, broadcast and cast to ``out``'s dtype, or a Python scalar."""
+    out[...] = v
+
+
+def _put(v: Any, out: Any, add: bool) -> None:
+    """``out = v`` or, with ``add``, ``out = v + out``."""
+    _assign(out, v + out if add else v)
+
+
+def _const(xp: Any, value: float, dtype: Any, dev: Any) -> Any:
+    """A 0-d array (typed scalar for ``where``/``minimum``: no library's promotion rules)."""
+    return xp.asarray(value, dtype=dtype, device=dev)
+
+
+def _store_u16(out: Any, r: Any) -> None:
+    """Write int32 values 0..65535 into the uint16 array ``out`` (through int16 bits)."""
+    xp = _array.namespace(r)
+    _assign(_array.bitcast(out, "int16"), xp.astype((r ^ 0x8000) - 0x8000, xp.int16))
+
+
+def _u16(h: Any) -> Any:
+    """uint16 bits as int32 values 0..65535."""
+    xp = _array.namespace(h)
+    return xp.astype(_array.bitcast(h, "int16"), xp.int32) & 0xFFFF
+
+
+def _cat(xp: Any, parts: list) -> Any:
+    return parts[0] if len(parts) == 1 else xp.concat(parts)
+
+
+def _rows(xp: Any, a: Any, n: int, bs: int) -> list[tuple[int, int, Any]]:
+    """``a[:n]`` cut into 2-D views of whole buckets: ``(first bucket, first element,
+    (n // bs, bs) view)`` and, for a partial last bucket, ``(.., .., (1, n % bs) view)``."""
+    full, tail = divmod(n, bs)
+    parts = []
+    if full:
+        parts.append((0, 0, xp.reshape(a[:full * bs], (full, bs))))
+    if tail:
+        parts.append((full, full * bs, xp.reshape(a[full * bs:n], (1, tail))))
+    return parts
+
+
+def _key(xi: Any) -> Any:
+    """Order-preserving int32 key of float32 bits (an involution)."""
+    return xi ^ ((xi >> 31) & 0x7FFFFFFF)
+
+
+def _lane_sums(xp: Any, v: Any, n: int, bs: int) -> Any:
+    """Per-bucket float64 sums of ``v`` in the reference's 64-lane order."""
+    dev = _dev(v)
+    sums = []
+    for _, _, p in _rows(xp, v, n, bs):
+        r, m = p.shape
+        g = -(-m // LANES)
+        if g * LANES != m:                 # +0.0 pads: a lane sum from +0.0 is never -0.0
+            p = xp.concat([p, xp.zeros((r, g * LANES - m), dtype=xp.float64, device=dev)],
+                          axis=1)
+        lanes = xp.reshape(p, (r, g, LANES))
+        acc = xp.zeros((r, LANES), dtype=xp.float64, device=dev)
+        for t in range(g):
+            acc = acc + lanes[:, t, :]
+        h = LANES // 2
+        while h:
+            acc = acc[:, :h] + acc[:, h:2 * h]
+            h //= 2
+        sums.append(acc[:, 0])
+    return _cat(xp, sums)
+
+
+def _chunks(n: int, bs: int):
+    """(start, count) of runs of whole buckets of about _CHUNK_ELEMS elements."""
+    c = max(bs, (_CHUNK_ELEMS // bs) * bs)
+    for s in range(0, n, c):
+        yield s, min(c, n - s)
+
+
+# --- random stream --------------------------------------------------------------------
+
+def _philox(c0: Any, c1: Any, c2: Any, c3: Any, k0: int, k1: int) -> tuple:
+    """Philox4x32-10 rounds on int64 arrays (or Python ints) of 32-bit values."""
+    for _ in range(10):
+        p0, p1 = c0 * _PM0, c2 * _PM1          # int64 wraps mod 2^64 like uint64
+        c0, c1, c2, c3 = (((p1 >> 32) & _M32) ^ c1 ^ k0, p1 & _M32,
+                          ((p0 >> 32) & _M32) ^ c3 ^ k1, p0 & _M32)
+        k0, k1 = (k0 + _PW0) & _M32, (k1 + _PW1) & _M32
+    return c0, c1, c2, c3
+
+
+def philox_words(key: np.ndarray, start: int, count: int, like: Any) -> Any:
+    """Words ``start .. start+count-1`` of the Philox4x32-10 stream keyed by ``key``, as
+    int64 values 0..2^32-1 in an array of ``like``'s kind and device.
+
+    Example:
+        >>> import numpy as np
+        >>> from gradcomm.compressors._kernels import _numpy
+        >>> key = np.array([1, 2, 3, 4], np.uint32)
+        >>> philox_words(key, 5, 6, np.zeros(1)).tolist() == _numpy.philox_words(key, 5, 6).tolist()
+        True
+    """
+    xp, dev = _array.namespace(like), _dev(like)
+    if count <= 0:
+        return xp.zeros(0, dtype=xp.int64, device=dev)
+    k0, k1, c2, c3 = (int(v) for v in key)
+    first, end = start // 4, (start + count + 3) // 4
+    parts = []
+    for b0 in range(first, end, _BLOCKS):
+        b1 = min(end, b0 + _BLOCKS)
+        blocks = xp.arange(b0, b1, dtype=xp.int64, device=dev)
+        lo, hi = (blocks, 0) if b1 <= 1 << 32 else (blocks & _M32, blocks >> 32)
+        out = _philox(lo, hi, c2, c3, k0, k1)
+        parts.append(xp.reshape(xp.stack(out, axis=1), (-1,)))
+    off = start - 4 * first
+    return _cat(xp, parts)[off:off + count]
+
+
+def dither(key: np.ndarray, start: int, count: int, like: Any) -> Any:
+    """float32 dither ``(d + 0.5) / 2^16`` of elements ``start .. start+count-1``, as an
+    array of ``like``'s kind and device."""
+    xp = _array.namespace(like)
+    if count == 0:
+        return xp.zeros(0, dtype=xp.float32, device=_dev(like))
+    w0 = start // 2
+    words = philox_words(key, w0, (start + count + 1) // 2 - w0, like)
+    halves = xp.reshape(xp.stack([words & 0xFFFF, words >> 16], axis=1), (-1,))
+    d = halves[start - 2 * w0:start - 2 * w0 + count]
+    return xp.astype(d, xp.float32) * (2.0 ** -16) + (2.0 ** -17)   # both exact
+
+
+# --- bit packing ----------------------------------------------------------------------
+
+def pack(codes: Any, bits: int, out: Any = None) -> Any:
+    """``bits``-bit codes (uint8, each < 2**bits) into a little-endian bit stream."""
+    xp, dev = _array.namespace(codes), _dev(codes)
+    n = _array.size(codes)
+    nbytes = (n * bits + 7) // 8
+    if bits == 8:
+        res = codes
+    else:                          # 8 codes = ``bits`` bytes: one int (< 2^56) per group
+        g = (n + 7) // 8
+        wide = xp.int32 if bits <= 3 else xp.int64
+        c = xp.astype(codes, wide)
+        if g * 8 != n:
+            c = xp.concat([c, xp.zeros(g * 8 - n, dtype=wide, device=dev)])
+        c = xp.reshape(c, (g, 8))
+        w = c[:, 0]
+        for j in range(1, 8):
+            w = w | (c[:, j] << (bits * j))
+        res = [(w >> (8 * i)) & 0xFF for i in range(bits)]
+        res = xp.astype(xp.reshape(xp.stack(res, axis=1), (-1,))[:nbytes], xp.uint8)
+    if out is None:
+        return xp.asarray(res, copy=True) if res is codes else res
+    _assign(out, res)
+    return out
+
+
+def unpack(packed: Any, n: int, bits: int) -> Any:
+    """Inverse of :func:`pack`: ``n`` codes of ``bits`` bits as uint8."""
+    xp, dev = _array.namespace(packed), _dev(packed)
+    if bits == 8:
+        return xp.asarray(packed[:n], copy=True)
+    if n == 0:
+        return xp.zeros(0, dtype=xp.uint8, device=dev)
+    g = (n + 7) // 8
+    wide = xp.int32 if bits <= 3 else xp.int64
+    p = xp.astype(packed[:min(_array.size(packed), g * bits)], wide)
+    if _array.size(p) != g * bits:
+        p = xp.concat([p, xp.zeros(g * bits - _array.size(p), dtype=wide, device=dev)])
+    p = xp.reshape(p, (g, bits))
+    w = p[:, 0]
+    for i in range(1, bits):
+        w = w | (p[:, i] << (8 * i))
+    mask = (1 << bits) - 1
+    codes = xp.stack([(w >> (bits * j)) & mask for j in range(8)], axis=1)
+    return xp.astype(xp.reshape(codes, (-1,))[:n], xp.uint8)
+
+
+try:                                     # topk / randomk kernels live next door
+    from ._xp_select import abs_keys, all_finite, randomk_indices, scatter, topk_select  # noqa: E402,F401
+except ImportError:                      # pragma: no cover - until that module exists
+    pass

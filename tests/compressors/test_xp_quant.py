@@ -84,3 +84,64 @@ def test_pack_unpack(to, bits: int) -> None:
         out = to(np.full(ref.size, 0xAB, np.uint8))
         assert X.pack(to(codes), bits, out) is out and same(out, ref)
         assert same(X.unpack(to(ref), n, bits), codes)
+
+
+# --- float casts --------------------------------------------------------------------------
+
+def _f32_bits_cases() -> np.ndarray:
+    rng = np.random.default_rng(0)
+    return np.concatenate([
+        rng.integers(0, 2 ** 32, 200_000, dtype=np.uint64).astype(np.uint32),
+        np.arange(0x33000000 - 50, 0x38800000 + 50, 97, dtype=np.uint32),      # subnormals
+        np.arange(0x477FE000, 0x47800100, 3, dtype=np.uint32),                 # overflow edge
+        np.array([0, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00001, 0x7F800001,
+                  0xFF800001, 0x7FBFFFFF, 0x477FEFFF, 0x477FF000, 0x47800000, 0x33000000,
+                  0x33000001, 0x387FFFFF, 0x38800000, 0x3F800000, 0x00000001, 0x807FFFFF,
+                  0x7F7FFFFF, 0xFF7FFFFF, 0x3F808000, 0x3F818000, 0x3F80FFFF], np.uint32)])
+
+
+def _f64_cases() -> np.ndarray:
+    """float64 values at and next to float16 rounding ties (where float64 -> float32 ->
+    float16 would round twice), across the normal and subnormal half range."""
+    rng = np.random.default_rng(1)
+    h = rng.integers(0, 0x7BFF, 20_000).astype(np.uint16)
+    lo = h.view(np.float16).astype(np.float64)
+    hi = (h + 1).astype(np.uint16).view(np.float16).astype(np.float64)
+    mid = (lo + hi) / 2
+    cases = [mid, np.nextafter(mid, 0), np.nextafter(mid, np.inf), mid * (1 + 2.0 ** -30),
+             mid * (1 - 2.0 ** -30), mid * (1 + 2.0 ** -25), mid * (1 - 2.0 ** -25)]
+    x = np.concatenate(cases + [-c for c in cases])
+    specials64 = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan, 65504.0, 65519.99,
+                           65520.0, 1e300, -1e300, 5e-324, 2.0 ** -25, 2.0 ** -25 * (1 + 1e-15),
+                           2.0 ** -24, 3 * 2.0 ** -26, 1e-40, 3.4e38, 3.5e38])
+    return np.concatenate([x, specials64, rng.standard_normal(10_000) * 1e3])
+
+
+def test_f32_to_f16(to) -> None:
+    for x in (_f32_bits_cases().view(np.float32), _f64_cases()):
+        ref = np.empty(x.size, np.uint16)
+        NP.f32_to_f16(x, ref)
+        out = to(np.full(x.size, 0xABCD, np.uint16))
+        X.f32_to_f16(to(x), out)
+        assert same(out, ref), x.dtype
+
+
+def test_f32_to_bf16(to) -> None:
+    x = _f32_bits_cases().view(np.float32)
+    ref = np.empty(x.size, np.uint16)
+    NP.f32_to_bf16(x, ref)
+    out = to(np.full(x.size, 0xABCD, np.uint16))
+    X.f32_to_bf16(to(x), out)
+    assert same(out, ref)
+
+
+@pytest.mark.parametrize("add", [False, True])
+def test_widen_16_to_f32(to, add: bool) -> None:
+    h = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+    base = np.resize(_f32_bits_cases().view(np.float32), h.size)   # NaN/inf/-0 in out too
+    for ref_fn, xp_fn in ((NP.f16_to_f32, X.f16_to_f32), (NP.bf16_to_f32, X.bf16_to_f32)):
+        ref = base.copy()
+        ref_fn(h, ref, add=add)
+        out = to(base)
+        xp_fn(to(h), out, add=add)
+        assert same(out, ref), xp_fn.__name__

@@ -73,8 +73,22 @@ def _assign(out: Any, v: Any) -> None:
 
 
 def _put(v: Any, out: Any, add: bool) -> None:
-    """``out = v`` or, with ``add``, ``out = v + out``."""
-    _assign(out, v + out if add else v)
+    """``out = v`` or, with ``add``, ``out = v + out`` where a NaN ``v`` (always a quiet
+    NaN here) wins with its own bits, as in the reference's ``np.add(v, out)`` on x86
+    (whose first NaN operand wins; torch's CPU add lets ``out``'s win, CUDA's gives its
+    canonical NaN)."""
+    if add:
+        xp = _array.namespace(v)
+        v = xp.where(xp.isnan(v), v, v + out)
+    _assign(out, v)
+
+
+def _quieted(v: Any) -> Any:
+    """float32 ``v`` with the quiet bit set in its NaNs (what x86 arithmetic returns for a
+    NaN operand)."""
+    xp = _array.namespace(v)
+    b = _array.bitcast(v, "int32")
+    return _array.bitcast(xp.where(xp.isnan(v), b | 0x400000, b), "float32")
 
 
 def _const(xp: Any, value: float, dtype: Any, dev: Any) -> Any:
@@ -242,6 +256,66 @@ def unpack(packed: Any, n: int, bits: int) -> Any:
     mask = (1 << bits) - 1
     codes = xp.stack([(w >> (bits * j)) & mask for j in range(8)], axis=1)
     return xp.astype(xp.reshape(codes, (-1,))[:n], xp.uint8)
+
+
+# --- float casts ------------------------------------------------------------------------
+
+def _to_odd_f32(x: Any) -> Any:
+    """float64 -> float32 rounded to odd (inexact results get an odd last bit): a float16
+    rounding of it equals the direct float64 -> float16 rounding (no double rounding)."""
+    xp = _array.namespace(x)
+    f = xp.astype(x, xp.float32)
+    back = xp.astype(f, xp.float64)
+    bits = _array.bitcast(f, "int32")
+    fix = (back != x) & xp.isfinite(back) & ((bits & 1) == 0)
+    # the other neighbour of x: one step away from zero when |x| > |f|, else towards it
+    step = xp.where(xp.abs(x) > xp.abs(back), _const(xp, 1, xp.int32, _dev(x)),
+                    _const(xp, -1, xp.int32, _dev(x)))
+    return _array.bitcast(xp.where(fix, bits + step, bits), "float32")
+
+
+@_quiet
+def f32_to_f16(x: Any, out: Any) -> None:
+    """Round float32/64 to float16 bits in ``out`` (uint16; IEEE, to nearest even; overflow
+    gives +-inf; NaN becomes the canonical quiet NaN ``0x7E00`` with its sign)."""
+    xp, dev = _array.namespace(x), _dev(x)
+    x16 = xp.astype(_to_odd_f32(x) if _array.dtype_name(x) == "float64" else x, xp.float16)
+    nan = xp.where(xp.signbit(x), _const(xp, -0x200, xp.int16, dev),    # 0xFE00
+                   _const(xp, 0x7E00, xp.int16, dev))
+    _assign(_array.bitcast(out, "int16"), xp.where(xp.isnan(x), nan,
+                                                   _array.bitcast(x16, "int16")))
+
+
+@_quiet
+def f16_to_f32(h: Any, out: Any, add: bool = False) -> None:
+    """Widen float16 bits (uint16) to float32 (exact; NaN becomes the canonical quiet NaN
+    with its sign); ``add``: ``out = widen(h) + out``."""
+    xp, dev = _array.namespace(h), _dev(h)
+    w = _array.bitcast(xp.astype(_array.bitcast(h, "float16"), xp.float32), "int32")
+    u = _u16(h)
+    nan = ((u & 0x7C00) == 0x7C00) & ((u & 0x3FF) != 0)
+    canon = xp.where(u >= 0x8000, _const(xp, -0x400000, xp.int32, dev),   # 0xFFC00000
+                     _const(xp, 0x7FC00000, xp.int32, dev))
+    _put(_array.bitcast(xp.where(nan, canon, w), "float32"), out, add)
+
+
+def f32_to_bf16(x: Any, out: Any) -> None:
+    """Round float32 to bfloat16 bits in ``out`` (uint16; to nearest even; NaN stays a
+    quiet NaN)."""
+    xp = _array.namespace(x)
+    b = _array.bitcast(x, "int32")
+    hi, lo = (b >> 16) & 0xFFFF, b & 0xFFFF
+    r = (hi + ((lo + (0x7FFF + (hi & 1))) >> 16)) & 0xFFFF    # the reference's uint32 sum
+    _store_u16(out, xp.where(x != x, hi | 0x40, r))
+
+
+@_quiet
+def bf16_to_f32(h: Any, out: Any, add: bool = False) -> None:
+    """Widen bfloat16 bits (uint16) to float32 (exact); ``add``: ``out = widen(h) + out``."""
+    xp = _array.namespace(h)
+    wide = _array.bitcast(xp.astype(_array.bitcast(h, "int16"), xp.int32) * 65536,
+                          "float32")                                  # = bits << 16
+    _put(_quieted(wide) if add else wide, out, add)
 
 
 try:                                     # topk / randomk kernels live next door

@@ -72,14 +72,15 @@ def _assign(out: Any, v: Any) -> None:
     out[...] = v
 
 
-def _put(v: Any, out: Any, add: bool) -> None:
-    """``out = v`` or, with ``add``, ``out = v + out`` where a NaN ``v`` (always a quiet
-    NaN here) wins with its own bits, as in the reference's ``np.add(v, out)`` on x86
-    (whose first NaN operand wins; torch's CPU add lets ``out``'s win, CUDA's gives its
-    canonical NaN)."""
+def _put(v: Any, out: Any, add: bool, nan: Any = None, nan_v: Any = None) -> None:
+    """``out = v`` or, with ``add``, ``out = v + out``; then, where ``nan``, ``nan_v``:
+    the NaN bits x86 arithmetic gives the reference (CUDA gives its canonical NaN). Where
+    ``v`` and ``out`` are both NaN the reference itself is not consistent (numpy's vector
+    loop keeps the first operand's bits, its scalar tail the second's)."""
     if add:
-        xp = _array.namespace(v)
-        v = xp.where(xp.isnan(v), v, v + out)
+        v = v + out
+    if nan is not None:
+        v = _array.namespace(v).where(nan, nan_v, v)
     _assign(out, v)
 
 
@@ -291,12 +292,12 @@ def f16_to_f32(h: Any, out: Any, add: bool = False) -> None:
     """Widen float16 bits (uint16) to float32 (exact; NaN becomes the canonical quiet NaN
     with its sign); ``add``: ``out = widen(h) + out``."""
     xp, dev = _array.namespace(h), _dev(h)
-    w = _array.bitcast(xp.astype(_array.bitcast(h, "float16"), xp.float32), "int32")
+    w = xp.astype(_array.bitcast(h, "float16"), xp.float32)
     u = _u16(h)
     nan = ((u & 0x7C00) == 0x7C00) & ((u & 0x3FF) != 0)
     canon = xp.where(u >= 0x8000, _const(xp, -0x400000, xp.int32, dev),   # 0xFFC00000
                      _const(xp, 0x7FC00000, xp.int32, dev))
-    _put(_array.bitcast(xp.where(nan, canon, w), "float32"), out, add)
+    _put(w, out, add, nan, _array.bitcast(canon, "float32"))
 
 
 def f32_to_bf16(x: Any, out: Any) -> None:
@@ -315,7 +316,123 @@ def bf16_to_f32(h: Any, out: Any, add: bool = False) -> None:
     xp = _array.namespace(h)
     wide = _array.bitcast(xp.astype(_array.bitcast(h, "int16"), xp.int32) * 65536,
                           "float32")                                  # = bits << 16
-    _put(_quieted(wide) if add else wide, out, add)
+    if add:
+        _put(wide, out, add, xp.isnan(wide), _quieted(wide))
+    else:
+        _assign(out, wide)
+
+
+# --- int8: per-bucket min/max --------------------------------------------------------------
+# Divisions take a 0-d array of the data's device, never a Python scalar: torch on CUDA
+# turns ``t / 3.0`` into ``t * (1 / 3.0)``, and ``3.0 / t`` into ``reciprocal(t) * 3.0``
+# everywhere; both round differently from an IEEE division.
+
+@_quiet
+def _minmax_encode(x: Any, start: int, bs: int, bits: int, stochastic: bool,
+                   key: np.ndarray, lo_out: Any, unit_out: Any, packed: Any) -> None:
+    n, L = _array.size(x), (1 << bits) - 1
+    if n == 0:
+        return
+    xp, dev = _array.namespace(x), _dev(x)
+    f32, f64 = xp.float32, xp.float64
+    k = _rows(xp, _key(_array.bitcast(x, "int32")), n, bs)
+    lo_k = _cat(xp, [xp.min(p, axis=1) for _, _, p in k])
+    hi_k = _cat(xp, [xp.max(p, axis=1) for _, _, p in k])
+    bad = (hi_k >= KEY_PINF) | (lo_k <= KEY_NINF)
+    lo = _array.bitcast(_key(lo_k), "float32")              # the key is an involution
+    hi = _array.bitcast(_key(hi_k), "float32")
+    rng = xp.astype(hi, f64) - xp.astype(lo, f64)
+    ok = ~bad & (rng > 0)
+    one, lev = _const(xp, 1.0, f64, dev), _const(xp, L, f64, dev)
+    inv = xp.minimum(xp.divide(lev, xp.where(ok, rng, one)), _const(xp, FLT_MAX, f64, dev))
+    zero, nan = _const(xp, 0.0, f32, dev), _const(xp, math.nan, f32, dev)
+    inv = xp.where(ok, xp.astype(inv, f32), zero)
+    _assign(lo_out, xp.where(bad, nan, lo))
+    _assign(unit_out, xp.where(bad, nan, xp.astype(xp.divide(rng, lev), f32)))
+    lo = xp.where(ok, lo, zero)
+    u = _rows(xp, dither(key, start, n, x), n, bs) if stochastic else None
+    codes = []
+    for i, (b, _, p) in enumerate(_rows(xp, x, n, bs)):
+        r = p.shape[0]
+        y = (p - lo[b:b + r, None]) * inv[b:b + r, None]
+        q = xp.clip(xp.floor(y + (u[i][2] if stochastic else 0.5)), 0, L)
+        q = xp.where(ok[b:b + r, None], q, zero)
+        codes.append(xp.reshape(xp.astype(q, xp.uint8), (-1,)))
+    pack(_cat(xp, codes), bits, packed)
+
+
+@_quiet
+def _minmax_decode(packed: Any, n: int, bs: int, bits: int, lo: Any, unit: Any, out: Any,
+                   add: bool = False) -> int:
+    xp = _array.namespace(packed)
+    c = xp.astype(unpack(packed, n, bits), xp.float32)
+    nan, lo_q = xp.isnan(lo), _quieted(lo)     # x86: lo + NaN keeps lo's NaN, quieted
+    for b, e, p in _rows(xp, c, n, bs):
+        r, m = p.shape
+        v = lo[b:b + r, None] + p * unit[b:b + r, None]
+        if add:
+            v = v + xp.reshape(out[e:e + r * m], (r, m))
+        _assign(out[e:e + r * m], xp.reshape(xp.where(nan[b:b + r, None],
+                                                      lo_q[b:b + r, None], v), (-1,)))
+    return 0
+
+
+# --- int8 with a fixed, shared scale (summable) ------------------------------------------
+
+@_quiet
+def _fixed_encode(x: Any, start: int, bits: int, scale: float, stochastic: bool,
+                  key: np.ndarray, packed: Any) -> None:
+    n, L = _array.size(x), (1 << (bits - 1)) - 1
+    xp, dev = _array.namespace(x), _dev(x)
+    mul = float(np.float32(min(L / scale, FLT_MAX)))       # float32 values: exact scalars
+    t = x * mul
+    u = dither(key, start, n, x) if stochastic else 0.5
+    q = xp.clip(xp.floor(t + u), -L, L) + L
+    q = xp.where(xp.isfinite(x), q, _const(xp, 2 * L + 1, xp.float32, dev))   # the NaN code
+    pack(xp.astype(q, xp.uint8), bits, packed)
+
+
+@_quiet
+def _fixed_decode(packed: Any, n: int, bits: int, scale: float, out: Any,
+                  add: bool = False) -> int:
+    L = (1 << (bits - 1)) - 1
+    xp = _array.namespace(packed)
+    c = unpack(packed, n, bits)
+    step = float(np.float32(scale / L))
+    v = (xp.astype(c, xp.float32) - float(L)) * step
+    _put(v, out, add, c == 2 * L + 1, _const(xp, math.nan, xp.float32, _dev(packed)))
+    return 0
+
+
+# --- chunk drivers (the public quantizer kernels) ----------------------------------------
+
+def minmax_encode(x, bs, bits, stochastic, key, lo_out, unit_out, packed) -> None:
+    for s, m in _chunks(_array.size(x), bs):
+        b, nb, p = s // bs, -(-m // bs), s * bits // 8
+        _minmax_encode(x[s:s + m], s, bs, bits, stochastic, key, lo_out[b:b + nb],
+                       unit_out[b:b + nb], packed[p:p + (m * bits + 7) // 8])
+
+
+def minmax_decode(packed, n, bs, bits, lo, unit, out, add=False) -> int:
+    for s, m in _chunks(n, bs):
+        b, nb, p = s // bs, -(-m // bs), s * bits // 8
+        _minmax_decode(packed[p:p + (m * bits + 7) // 8], m, bs, bits, lo[b:b + nb],
+                       unit[b:b + nb], out[s:s + m], add)
+    return 0
+
+
+def fixed_encode(x, bits, scale, stochastic, key, packed) -> None:
+    for s, m in _chunks(_array.size(x), 8):
+        p = s * bits // 8
+        _fixed_encode(x[s:s + m], s, bits, scale, stochastic, key,
+                      packed[p:p + (m * bits + 7) // 8])
+
+
+def fixed_decode(packed, n, bits, scale, out, add=False) -> int:
+    for s, m in _chunks(n, 8):
+        p = s * bits // 8
+        _fixed_decode(packed[p:p + (m * bits + 7) // 8], m, bits, scale, out[s:s + m], add)
+    return 0
 
 
 try:                                     # topk / randomk kernels live next door

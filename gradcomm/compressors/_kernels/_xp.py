@@ -404,6 +404,117 @@ def _fixed_decode(packed: Any, n: int, bits: int, scale: float, out: Any,
     return 0
 
 
+# --- qsgd / terngrad: sign + level, per-bucket scale ------------------------------------------
+
+@_quiet
+def _signlevel_encode(x: Any, start: int, bs: int, s: int, bits: int, l2: bool,
+                      key: np.ndarray, scale_out: Any, packed: Any) -> None:
+    n = _array.size(x)
+    if n == 0:
+        return
+    xp, dev = _array.namespace(x), _dev(x)
+    f32, f64 = xp.float32, xp.float64
+    if l2:
+        x64 = xp.astype(x, f64)
+        total = _lane_sums(xp, x64 * x64, n, bs)
+        bad = ~xp.isfinite(total)
+        scale = xp.astype(xp.sqrt(xp.where(bad, _const(xp, 0.0, f64, dev), total)), f32)
+    else:
+        a = _rows(xp, _array.bitcast(x, "int32") & 0x7FFFFFFF, n, bs)
+        m = _cat(xp, [xp.max(p, axis=1) for _, _, p in a])
+        bad = m >= KEY_PINF
+        scale = _array.bitcast(xp.where(bad, _const(xp, 0, xp.int32, dev), m), "float32")
+    ok = ~bad & (scale > 0)
+    one = _const(xp, 1.0, f64, dev)
+    mul = xp.divide(_const(xp, s, f64, dev), xp.where(ok, xp.astype(scale, f64), one))
+    mul = xp.astype(xp.minimum(mul, _const(xp, FLT_MAX, f64, dev)), f32)
+    zero = _const(xp, 0.0, f32, dev)
+    mul = xp.where(ok, mul, zero)
+    _assign(scale_out, xp.where(bad, _const(xp, math.nan, f32, dev), scale))
+    u = _rows(xp, dither(key, start, n, x), n, bs)
+    top = _const(xp, s, f32, dev)
+    codes = []
+    for i, (b, _, p) in enumerate(_rows(xp, x, n, bs)):
+        r = p.shape[0]
+        y = xp.abs(p) * mul[b:b + r, None]
+        level = xp.minimum(xp.floor(y + u[i][2]), top)
+        level = xp.astype(xp.where(ok[b:b + r, None], level, zero), xp.int32)
+        sign = xp.astype((p < 0) & (level > 0), xp.int32) << (bits - 1)
+        codes.append(xp.reshape(xp.astype(level | sign, xp.uint8), (-1,)))
+    pack(_cat(xp, codes), bits, packed)
+
+
+@_quiet
+def _signlevel_decode(packed: Any, n: int, bs: int, s: int, bits: int, scale: Any,
+                      out: Any, add: bool = False) -> int:
+    """Returns the number of codes whose level exceeds ``s`` (a corrupt payload)."""
+    xp, dev = _array.namespace(packed), _dev(packed)
+    c = xp.astype(unpack(packed, n, bits), xp.int32)
+    level = c & ((1 << (bits - 1)) - 1)
+    unit = xp.astype(xp.divide(xp.astype(scale, xp.float64), _const(xp, s, xp.float64, dev)),
+                     xp.float32)
+    nan, unit_q = xp.isnan(unit), _quieted(unit)      # x86: level * NaN gives NaN quieted
+    for b, e, p in _rows(xp, level, n, bs):
+        r, m = p.shape
+        neg = xp.reshape(c[e:e + r * m], (r, m)) >> (bits - 1) != 0
+        v = xp.astype(p, xp.float32) * unit[b:b + r, None]
+        v = xp.where(neg, -v, v)
+        if add:
+            v = v + xp.reshape(out[e:e + r * m], (r, m))
+        uq = unit_q[b:b + r, None]
+        v = xp.where(nan[b:b + r, None], xp.where(neg, -uq, uq), v)
+        _assign(out[e:e + r * m], xp.reshape(v, (-1,)))
+    return int(xp.count_nonzero(level > s))
+
+
+# --- onebit: sign bit, per-bucket means of the two groups ---------------------------------
+
+@_quiet
+def _onebit_encode(x: Any, start: int, bs: int, pos_out: Any, neg_out: Any,
+                   packed: Any) -> None:
+    n = _array.size(x)
+    if n == 0:
+        return
+    xp, dev = _array.namespace(x), _dev(x)
+    f32, f64 = xp.float32, xp.float64
+    x64 = xp.astype(x, f64)
+    zero64 = _const(xp, 0.0, f64, dev)
+    up = x >= 0
+    psum = _lane_sums(xp, xp.maximum(x64, zero64), n, bs)    # NaN propagates to both
+    nsum = _lane_sums(xp, xp.minimum(x64, zero64), n, bs)
+    ups = _rows(xp, up, n, bs)
+    cnt = _cat(xp, [xp.sum(xp.astype(p, xp.int64), axis=1) for _, _, p in ups])
+    size = _cat(xp, [xp.full(p.shape[0], p.shape[1], dtype=xp.int64, device=dev)
+                     for _, _, p in ups])
+    bad = ~(xp.isfinite(psum) & xp.isfinite(nsum))
+    one = _const(xp, 1, xp.int64, dev)
+    pos = xp.where(cnt > 0, xp.divide(psum, xp.astype(xp.maximum(cnt, one), f64)), zero64)
+    rest = size - cnt
+    neg = xp.where(rest > 0, xp.divide(nsum, xp.astype(xp.maximum(rest, one), f64)), zero64)
+    nan = _const(xp, math.nan, f32, dev)
+    _assign(pos_out, xp.where(bad, nan, xp.astype(pos, f32)))
+    _assign(neg_out, xp.where(bad, nan, xp.astype(neg, f32)))
+    bit = [xp.reshape(p & ~bad[b:b + p.shape[0], None], (-1,)) for b, _, p in ups]
+    pack(xp.astype(_cat(xp, bit), xp.uint8), 1, packed)
+
+
+@_quiet
+def _onebit_decode(packed: Any, n: int, bs: int, pos: Any, neg: Any, out: Any,
+                   add: bool = False) -> int:
+    xp = _array.namespace(packed)
+    bit = unpack(packed, n, 1) != 0
+    if add:                                  # x86: v + out keeps v's NaN, quieted
+        pos, neg = _quieted(pos), _quieted(neg)
+    for b, e, p in _rows(xp, bit, n, bs):
+        r, m = p.shape
+        v = xp.reshape(xp.where(p, pos[b:b + r, None], neg[b:b + r, None]), (-1,))
+        if add:
+            _put(v, out[e:e + r * m], add, xp.isnan(v), v)
+        else:
+            _assign(out[e:e + r * m], v)
+    return 0
+
+
 # --- chunk drivers (the public quantizer kernels) ----------------------------------------
 
 def minmax_encode(x, bs, bits, stochastic, key, lo_out, unit_out, packed) -> None:
@@ -432,6 +543,37 @@ def fixed_decode(packed, n, bits, scale, out, add=False) -> int:
     for s, m in _chunks(n, 8):
         p = s * bits // 8
         _fixed_decode(packed[p:p + (m * bits + 7) // 8], m, bits, scale, out[s:s + m], add)
+    return 0
+
+
+def signlevel_encode(x, bs, s_, bits, l2, key, scale_out, packed) -> None:
+    for s, m in _chunks(_array.size(x), bs):
+        b, nb, p = s // bs, -(-m // bs), s * bits // 8
+        _signlevel_encode(x[s:s + m], s, bs, s_, bits, l2, key, scale_out[b:b + nb],
+                          packed[p:p + (m * bits + 7) // 8])
+
+
+def signlevel_decode(packed, n, bs, s_, bits, scale, out, add=False) -> int:
+    bad = 0
+    for s, m in _chunks(n, bs):
+        b, nb, p = s // bs, -(-m // bs), s * bits // 8
+        bad += _signlevel_decode(packed[p:p + (m * bits + 7) // 8], m, bs, s_, bits,
+                                 scale[b:b + nb], out[s:s + m], add)
+    return bad
+
+
+def onebit_encode(x, bs, pos_out, neg_out, packed) -> None:
+    for s, m in _chunks(_array.size(x), bs):
+        b, nb = s // bs, -(-m // bs)
+        _onebit_encode(x[s:s + m], s, bs, pos_out[b:b + nb], neg_out[b:b + nb],
+                       packed[s // 8:s // 8 + (m + 7) // 8])
+
+
+def onebit_decode(packed, n, bs, pos, neg, out, add=False) -> int:
+    for s, m in _chunks(n, bs):
+        b, nb = s // bs, -(-m // bs)
+        _onebit_decode(packed[s // 8:s // 8 + (m + 7) // 8], m, bs, pos[b:b + nb],
+                       neg[b:b + nb], out[s:s + m], add)
     return 0
 
 

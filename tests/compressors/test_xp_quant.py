@@ -339,3 +339,16 @@ def test_corrupt_payloads_decode_alike(to) -> None:
     for add in (False, True):
         check(to, "onebit_decode", (q, n, bs, a, b),
               [accum(n) if add else junk(n, np.float32)], add=add)
+
+
+def test_many_passes(to, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small passes (whole buckets; one bucket when it is larger than a pass): the dither,
+    the packed bytes and the bucket values of every pass land where the reference's go."""
+    monkeypatch.setattr(X, "_CHUNK_CPU", 4096)
+    monkeypatch.setattr(X, "_CHUNK_GPU", 4096)
+    x = specials(70_001, np.nan, 11)
+    for bs, bits in ((8, 3), (1000, 5), (8192, 8)):
+        minmax_round_trip(to, x, bs, bits, True)
+        signlevel_round_trip(to, x, bs, 7, 4, True)
+        onebit_round_trip(to, x, bs)
+    fixed_round_trip(to, x, 7, 2.5, True)

@@ -44,8 +44,9 @@ KEY_NINF = -0x7F800001                   # key(-inf); smaller keys are NaNs
 _M32 = 0xFFFFFFFF
 _PM0, _PM1 = 0xD2511F53, 0xCD9E8D57
 _PW0, _PW1 = 0x9E3779B9, 0xBB67AE85
-#: elements per pass (whole buckets): few, large array calls on a device, bounded temporaries
-_CHUNK_ELEMS = 1 << 22
+#: elements per pass (whole buckets), bounding the temporaries: on a GPU few, large calls
+#: (each array call is a kernel launch); on a CPU ~1M (measured no slower than larger runs)
+_CHUNK_GPU, _CHUNK_CPU = 1 << 24, 1 << 20
 #: Philox blocks per batch (4 words each)
 _BLOCKS = 1 << 22
 
@@ -152,9 +153,11 @@ def _lane_sums(xp: Any, v: Any, n: int, bs: int) -> Any:
     return _cat(xp, sums)
 
 
-def _chunks(n: int, bs: int):
-    """(start, count) of runs of whole buckets of about _CHUNK_ELEMS elements."""
-    c = max(bs, (_CHUNK_ELEMS // bs) * bs)
+def _chunks(a: Any, n: int, bs: int):
+    """(start, count) of runs of whole buckets of about _CHUNK_GPU / _CHUNK_CPU elements,
+    for arrays on ``a``'s device."""
+    elems = _CHUNK_CPU if str(_dev(a)) == "cpu" else _CHUNK_GPU
+    c = max(bs, (elems // bs) * bs)
     for s in range(0, n, c):
         yield s, min(c, n - s)
 
@@ -518,14 +521,14 @@ def _onebit_decode(packed: Any, n: int, bs: int, pos: Any, neg: Any, out: Any,
 # --- chunk drivers (the public quantizer kernels) ----------------------------------------
 
 def minmax_encode(x, bs, bits, stochastic, key, lo_out, unit_out, packed) -> None:
-    for s, m in _chunks(_array.size(x), bs):
+    for s, m in _chunks(x, _array.size(x), bs):
         b, nb, p = s // bs, -(-m // bs), s * bits // 8
         _minmax_encode(x[s:s + m], s, bs, bits, stochastic, key, lo_out[b:b + nb],
                        unit_out[b:b + nb], packed[p:p + (m * bits + 7) // 8])
 
 
 def minmax_decode(packed, n, bs, bits, lo, unit, out, add=False) -> int:
-    for s, m in _chunks(n, bs):
+    for s, m in _chunks(packed, n, bs):
         b, nb, p = s // bs, -(-m // bs), s * bits // 8
         _minmax_decode(packed[p:p + (m * bits + 7) // 8], m, bs, bits, lo[b:b + nb],
                        unit[b:b + nb], out[s:s + m], add)
@@ -533,21 +536,21 @@ def minmax_decode(packed, n, bs, bits, lo, unit, out, add=False) -> int:
 
 
 def fixed_encode(x, bits, scale, stochastic, key, packed) -> None:
-    for s, m in _chunks(_array.size(x), 8):
+    for s, m in _chunks(x, _array.size(x), 8):
         p = s * bits // 8
         _fixed_encode(x[s:s + m], s, bits, scale, stochastic, key,
                       packed[p:p + (m * bits + 7) // 8])
 
 
 def fixed_decode(packed, n, bits, scale, out, add=False) -> int:
-    for s, m in _chunks(n, 8):
+    for s, m in _chunks(packed, n, 8):
         p = s * bits // 8
         _fixed_decode(packed[p:p + (m * bits + 7) // 8], m, bits, scale, out[s:s + m], add)
     return 0
 
 
 def signlevel_encode(x, bs, s_, bits, l2, key, scale_out, packed) -> None:
-    for s, m in _chunks(_array.size(x), bs):
+    for s, m in _chunks(x, _array.size(x), bs):
         b, nb, p = s // bs, -(-m // bs), s * bits // 8
         _signlevel_encode(x[s:s + m], s, bs, s_, bits, l2, key, scale_out[b:b + nb],
                           packed[p:p + (m * bits + 7) // 8])
@@ -555,7 +558,7 @@ def signlevel_encode(x, bs, s_, bits, l2, key, scale_out, packed) -> None:
 
 def signlevel_decode(packed, n, bs, s_, bits, scale, out, add=False) -> int:
     bad = 0
-    for s, m in _chunks(n, bs):
+    for s, m in _chunks(packed, n, bs):
         b, nb, p = s // bs, -(-m // bs), s * bits // 8
         bad += _signlevel_decode(packed[p:p + (m * bits + 7) // 8], m, bs, s_, bits,
                                  scale[b:b + nb], out[s:s + m], add)
@@ -563,14 +566,14 @@ def signlevel_decode(packed, n, bs, s_, bits, scale, out, add=False) -> int:
 
 
 def onebit_encode(x, bs, pos_out, neg_out, packed) -> None:
-    for s, m in _chunks(_array.size(x), bs):
+    for s, m in _chunks(x, _array.size(x), bs):
         b, nb = s // bs, -(-m // bs)
         _onebit_encode(x[s:s + m], s, bs, pos_out[b:b + nb], neg_out[b:b + nb],
                        packed[s // 8:s // 8 + (m + 7) // 8])
 
 
 def onebit_decode(packed, n, bs, pos, neg, out, add=False) -> int:
-    for s, m in _chunks(n, bs):
+    for s, m in _chunks(packed, n, bs):
         b, nb = s // bs, -(-m // bs)
         _onebit_decode(packed[s // 8:s // 8 + (m + 7) // 8], m, bs, pos[b:b + nb],
                        neg[b:b + nb], out[s:s + m], add)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import numpy as np
+
 from . import _array
 from .collectives import dense_allreduce
 from .comm import get_transport
@@ -49,9 +51,7 @@ def allreduce(x: Any, comm: Any = None, *, op: str = "sum", algorithm: str = "au
     """
     t = get_transport(comm)
     dense = compressor is None and algorithm not in ("allgather", "sparse_allgather")
-    # device arrays stay on the device only for dense sums on a transport that moves
-    # device buffers (CUDA-aware MPI); otherwise they are staged through host memory
-    buf, meta = _array.to_flat_for(x, t.devices if dense else _HOST)
+    buf, meta = _flat(x, t, dense)
     if dense:
         if options:
             raise ConfigError(f"unknown options {sorted(options)} (compressor options need "
@@ -63,6 +63,29 @@ def allreduce(x: Any, comm: Any = None, *, op: str = "sum", algorithm: str = "au
         buf = compressed_allreduce(t, buf, meta.dtype, op=op, algorithm=algorithm,
                                    compressor=compressor or "none", check=check,
                                    **_with_shape(compressor, meta, options))
+    return _unflat(buf, meta)
+
+
+def _flat(x: Any, t: Any, dense: bool) -> tuple[Any, Any]:
+    """A fresh flat working copy of ``x`` and its Meta, placed where the reduction runs.
+
+    Dense sums keep a device array on the device only on a transport that moves device
+    buffers (CUDA-aware MPI), else they stage it through host memory. Compressed
+    reductions run their codecs where the data is (:func:`_array.codec_placement`): a
+    device array stays a flat array of its own library on its device, and only payloads
+    cross to the host.
+    """
+    if type(x) is not np.ndarray and not dense:
+        meta = _array.meta_of(x)
+        if _array.codec_placement(meta) == "device":
+            return _array.to_flat_native(x), meta
+    return _array.to_flat_for(x, t.devices if dense else _HOST)
+
+
+def _unflat(buf: Any, meta: Any) -> Any:
+    """The result as the user's kind of array, from :func:`_flat`'s buffer."""
+    if meta.kind == "torch" and not _array.is_host(buf) and _array.kind(buf) == "torch":
+        return _array.from_flat_native(buf, meta)
     return _array.from_device_flat(buf, meta)
 
 
@@ -182,7 +205,7 @@ class Allreduce:
         t = self.transport
         dense = self.compressor is None and self.algorithm not in ("allgather",
                                                                     "sparse_allgather")
-        buf, meta = _array.to_flat_for(x, t.devices if dense else _HOST)
+        buf, meta = _flat(x, t, dense)
         if dense:
             dense_allreduce(t, buf, self.op, meta.dtype, self.algorithm, check=self.check)
             self.error_feedback.advance(key)
@@ -195,7 +218,7 @@ class Allreduce:
                                        check=self.check, seed=self.seed,
                                        residuals=self.error_feedback, key=key,
                                        **_with_shape(self.compressor, meta, {}))
-        return _array.from_device_flat(buf, meta)
+        return _unflat(buf, meta)
 
     def _signature(self) -> str:
         c = self.compressor

@@ -587,6 +587,150 @@ def host(a: Any) -> np.ndarray:
     return cupy.asnumpy(a)
 
 
+def is_host(a: Any) -> bool:
+    """Whether ``a`` is a host numpy array (the kernels' and transports' home ground).
+
+    Example:
+        >>> import numpy as np
+        >>> is_host(np.zeros(1))
+        True
+    """
+    return isinstance(a, np.ndarray)
+
+
+def flat(a: Any) -> Any:
+    """``a`` as a flat C-contiguous array of its own kind and device (a view when it
+    already is one; torch tensors are detached).
+
+    Example:
+        >>> import numpy as np
+        >>> flat(np.zeros((2, 2)).T).shape
+        (4,)
+    """
+    if isinstance(a, np.ndarray):
+        return np.ascontiguousarray(a).reshape(-1)
+    if kind(a) == "torch":
+        return a.detach().contiguous().reshape(-1)
+    import cupy
+
+    return cupy.ascontiguousarray(a).reshape(-1)
+
+
+def cast(a: Any, dtype: str) -> Any:
+    """A copy of ``a`` converted (rounded) to ``dtype``, same kind and device.
+
+    Example:
+        >>> import numpy as np
+        >>> cast(np.array([1.5]), "float32").dtype.name
+        'float32'
+    """
+    if kind(a) == "torch":
+        return a.to(_torch_dtype(dtype))
+    return a.astype(dtype)
+
+
+def assign(out: Any, v: Any) -> None:
+    """``out[...] = v`` in place, for numpy, cupy and torch ``out`` (``v`` of the same
+    kind and device, or a Python scalar).
+
+    Example:
+        >>> import numpy as np
+        >>> a = np.zeros(2); assign(a, 3.0); a.tolist()
+        [3.0, 3.0]
+    """
+    if kind(out) == "torch":
+        if isinstance(v, (int, float)):
+            out.fill_(v)
+        else:
+            out.copy_(v)
+    else:
+        out[...] = v
+
+
+def divide_(a: Any, p: int) -> None:
+    """``a /= p`` in place as a true IEEE division of every element (torch on CUDA turns
+    a division by a Python scalar into a multiplication by its reciprocal, which rounds
+    differently; a 0-d tensor divisor does not).
+
+    Example:
+        >>> import numpy as np
+        >>> a = np.array([3.0], np.float32); divide_(a, 3); a.tolist()
+        [1.0]
+    """
+    if kind(a) == "torch":
+        import torch
+
+        a.div_(torch.tensor(p, dtype=a.dtype, device=a.device))
+    elif isinstance(a, np.ndarray):
+        np.divide(a, a.dtype.type(p), out=a)
+    else:
+        a /= a.dtype.type(p)
+
+
+#: ``GRADCOMM_CODEC_PLACEMENT``: "auto" (codecs run on the device for CUDA arrays, on the
+#: host otherwise) or "array" (codecs run on every non-numpy array where it lives, torch
+#: CPU tensors included: the device route on a machine without a GPU, used by the tests)
+CODEC_PLACEMENTS = ("auto", "array")
+
+
+def codec_placement(meta: Meta) -> str:
+    """Where a compressed allreduce runs its codecs for an array described by ``meta``:
+    "device" (on the array's own kind and device, with the device kernels) or "host".
+
+    Example:
+        >>> codec_placement(Meta("numpy", "float32", (2,)))
+        'host'
+        >>> codec_placement(Meta("torch", "float32", (2,), "cuda:0"))
+        'device'
+    """
+    import os
+
+    mode = os.environ.get("GRADCOMM_CODEC_PLACEMENT", "auto") or "auto"
+    if mode not in CODEC_PLACEMENTS:
+        raise ConfigError(f"GRADCOMM_CODEC_PLACEMENT must be one of "
+                          f"{', '.join(CODEC_PLACEMENTS)}, got {mode!r}")
+    if meta.kind == "numpy":
+        return "host"
+    return "device" if meta.device != "cpu" or mode == "array" else "host"
+
+
+def to_flat_native(x: Any) -> Any:
+    """A fresh flat copy of ``x`` in its storage dtype, of ``x``'s own kind and device
+    (bfloat16 as uint16 bits): where device codecs work. Numpy arrays get
+    :func:`to_flat`'s copy.
+
+    Example:
+        >>> import numpy as np
+        >>> to_flat_native(np.ones((2, 2), np.float32)).shape
+        (4,)
+    """
+    if isinstance(x, np.ndarray):
+        return to_flat(x)[0]
+    if kind(x) == "torch":
+        t = x.detach().reshape(-1).clone()       # clone: contiguous and never aliased
+        return t.view(_torch_dtype("uint16")) if _torch_dtype_name(t) == "bfloat16" else t
+    import cupy
+
+    with cupy.cuda.Device(x.device.id):
+        return cupy.array(x, copy=True, order="C").reshape(-1)
+
+
+def from_flat_native(buf: Any, meta: Meta) -> Any:
+    """Inverse of :func:`to_flat_native`: ``buf`` (taken over) shaped as ``meta`` says.
+
+    Example:
+        >>> import numpy as np
+        >>> b = to_flat_native(np.ones((2, 2), np.float32))
+        >>> from_flat_native(b, meta_of(np.ones((2, 2), np.float32))).shape
+        (2, 2)
+    """
+    if isinstance(buf, np.ndarray):
+        return from_flat(buf, meta)
+    if kind(buf) == "torch" and meta.dtype == "bfloat16":
+        return buf.view(_torch_dtype("bfloat16")).reshape(meta.shape)
+    return buf.reshape(meta.shape)
+
+
 def kth_smallest(a: Any, j: int) -> Any:
     """The element of flat ``a`` that a sort would put at position ``j`` (0-based), as a
     0-d array of ``a``'s kind and device (no host sync): a selection, not a full sort.

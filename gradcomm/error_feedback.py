@@ -36,6 +36,7 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
+from . import _array
 from .errors import ConfigError
 
 #: format version of :meth:`ErrorFeedback.state_dict`
@@ -68,34 +69,52 @@ class ErrorFeedback:
         self._extras: dict[str, np.ndarray] = {}
 
     # -- residuals ----------------------------------------------------------------------
-    def residual(self, name: str, n: int, dtype: Any) -> np.ndarray:
-        """The residual ``name`` as a flat array of ``n`` elements of ``dtype``.
+    def residual(self, name: str, n: int, dtype: Any, like: Any = None) -> Any:
+        """The residual ``name`` as a flat array of ``n`` elements of ``dtype``, kept
+        where ``like`` (an array: numpy by default, or a cupy / torch array on its device,
+        for codecs that run there) lives.
 
         Created as zeros on first use. A stored residual of another length or dtype (the
         parameter was resized, the algorithm or rank count changed) is reset to zeros with
-        a :class:`ResidualResetWarning`.
+        a :class:`ResidualResetWarning`. One held elsewhere (a checkpoint loaded on the
+        host, then used on a GPU) is moved.
         """
-        dt = np.dtype(dtype)
+        dt = np.dtype(dtype) if isinstance(dtype, (str, np.dtype, type)) else \
+            np.dtype(_array.dtype_name(like))
         e = self._residuals.get(name)
-        if e is not None and (e.shape != (n,) or e.dtype != dt):
-            warnings.warn(f"error-feedback residual {name!r} held {e.size} x {e.dtype} but "
-                          f"{n} x {dt} is needed now; it was reset to zeros",
-                          ResidualResetWarning, stacklevel=3)
+        if e is not None and (tuple(e.shape) != (n,) or _array.dtype_name(e) != dt.name):
+            warnings.warn(f"error-feedback residual {name!r} held {_array.size(e)} x "
+                          f"{_array.dtype_name(e)} but {n} x {dt} is needed now; it was "
+                          "reset to zeros", ResidualResetWarning, stacklevel=3)
             e = None
+        home = like is not None and not _array.is_host(like)
         if e is None:
-            e = self._residuals[name] = np.zeros(n, dt)
+            e = np.zeros(n, dt)
+            if home:
+                e = _array.like(e, like)
+            self._residuals[name] = e
+        elif home != (not _array.is_host(e)) or (home and _array.meta_of(e).device !=
+                                                   _array.meta_of(like).device):
+            e = self._residuals[name] = _array.like(_array.host(e).copy(), like) if home \
+                else _array.host(e).copy()
         return e
 
-    def compensate(self, name: str, x: np.ndarray) -> np.ndarray:
-        """``x += e`` in place (flat ``x``) and return ``x``; no-op when disabled."""
+    def compensate(self, name: str, x: Any) -> Any:
+        """``x += e`` in place (flat ``x``, any array kind) and return ``x``; no-op when
+        disabled."""
         if self.enabled:
-            x += self.residual(name, x.size, x.dtype)
+            x += self.residual(name, _array.size(x), _array.dtype_name(x), like=x)
         return x
 
-    def update(self, name: str, x: np.ndarray, decoded: np.ndarray) -> None:
+    def update(self, name: str, x: Any, decoded: Any) -> None:
         """``e ← x − decoded`` where ``x`` is what was compressed (from :meth:`compensate`)."""
         if self.enabled:
-            np.subtract(x, decoded, out=self.residual(name, x.size, x.dtype))
+            e = self.residual(name, _array.size(x), _array.dtype_name(x), like=x)
+            if isinstance(e, np.ndarray):
+                np.subtract(x, decoded, out=e)
+            else:
+                _array.assign(e, x)
+                e -= decoded
 
     def reset(self, key: str | None = None) -> None:
         """Forget the residuals (and steps) of ``key`` and its hops, or of every key."""
@@ -161,7 +180,7 @@ class ErrorFeedback:
         """
         sd: dict[str, Any] = {_VER: STATE_VERSION}
         for name, e in self._residuals.items():
-            sd[_RES + name] = e.copy()
+            sd[_RES + name] = _array.host(e).copy()      # device residuals come to the host
         for key, s in self._steps.items():
             sd[_STEP + key] = int(s)
         for name, v in self._extras.items():

@@ -30,6 +30,15 @@ A compressed allreduce takes one of three routes, decided per codec and algorith
 Every (compressor, algorithm) pair above works; ``native`` and anything else raise
 UnsupportedError / ConfigError naming the pairs that do.
 
+**Device buffers** (cupy arrays, torch CUDA tensors; any non-numpy buffer): the codecs run
+where the data is (the device kernels, :mod:`gradcomm.compressors._kernels._xp`) and only
+payloads cross to the host: each rank encodes on the device (residual kept there), copies
+its payload to a host frame, the frames are allgathered, and every payload is copied back
+and decoded-and-summed on the device (sparse codecs: the union of the pairs is scattered
+there). So ``auto`` takes the gather routes for device buffers; an explicit per-hop
+algorithm, or PowerSGD, is run on a host copy (staged) instead. Bytes are those of the
+host path (the device kernels match the numpy reference bit for bit).
+
 ``algorithm="auto"`` picks the route with the lowest modelled time (:func:`route_times`):
 ``T = α·messages + β·bytes sent + e·elements encoded + g·elements decoded`` per rank,
 for n elements, c = ``max_nbytes`` of the whole buffer, p ranks (q = 2^floor(log2 p),
@@ -96,8 +105,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from .. import compressors
-from .._dtypes import FLOATS, bf16_to_f32, f32_to_bf16
+from .. import _array, compressors
+from .._dtypes import FLOATS
 from ..comm.base import Transport
 from ..compressors.base import Compressor, Payload
 from ..error_feedback import HOP_SEP, ErrorFeedback, contractive
@@ -322,7 +331,8 @@ class CompressedWire:
                  max_parts: int = 1, ef: ErrorFeedback | None = None, key: str = "",
                  state: _State | None = None) -> None:
         self.codec, self.base, self.seeds = codec, base, seeds
-        self.dtype = base.dtype.name
+        self.dtype = _array.dtype_name(base)
+        self.device = not _array.is_host(base)      # codecs run on the base's device
         self.max_parts = max(1, max_parts)
         self.ef = ef if (ef is not None and ef.enabled and codec.lossy) else None
         self.key = key
@@ -335,7 +345,7 @@ class CompressedWire:
         self._finished: dict[int, tuple[int, np.ndarray]] = {}   # offset -> (n, payload)
         self._partial_hops = 0
         self._final_hops = 0
-        self._reuse = _accepts(codec.compress, "out")
+        self._reuse = _accepts(codec.compress, "out") and not self.device
         self._fused = _accepts(codec.compress, "residual")     # fused EF / round trip
         self._add = _accepts(codec.decompress, "add")     # fused decode-and-add
         self._codec_key = (type(codec), repr(sorted(codec.get_config().items())))
@@ -356,7 +366,9 @@ class CompressedWire:
             m = self._maxes[n] = max_nbytes(self.codec, n, self.dtype)
         return m
 
-    def _scratch_of(self, slot: int, n: int) -> np.ndarray:
+    def _scratch_of(self, slot: int, n: int) -> Any:
+        if self.device:
+            return _array.empty_like_kind(self.base, n, self.dtype)
         return self.state.floats(slot, n, self.base.dtype)
 
     def _offset(self, seg: np.ndarray) -> int:
@@ -408,7 +420,7 @@ class CompressedWire:
             payload = self.codec.compress(x, seed=seed, **fused)
         meta = payload._meta()
         head = _PREFIX_SIZE + len(meta)
-        plen = head + sum(b.nbytes for b in payload.buffers.values())
+        plen = head + payload._body()
         if plen > self._max(n):
             raise PayloadError(f"{self.codec.name} produced {plen} bytes for {n} elements, "
                                "above its declared max_nbytes")
@@ -447,7 +459,8 @@ class CompressedWire:
                 if decoded is not None:
                     fused["decoded"] = decoded
             elif residual is not None:
-                np.add(x, residual, out=residual)
+                with np.errstate(invalid="ignore", over="ignore"):
+                    residual += x                       # IEEE addition commutes
                 x = residual
         lead, plen = self._write_payload(frame, pos, x, seed, n, fused)
         _HDR.pack_into(frame, 0, 1, 0)
@@ -459,7 +472,7 @@ class CompressedWire:
             self._decode(data, dec)
             if residual is not None:
                 with np.errstate(invalid="ignore"):
-                    np.subtract(residual, dec, out=residual)
+                    residual -= dec
         return frame, data
 
     def _assemble(self, parts: list[tuple[int, int, np.ndarray]], size: int
@@ -535,10 +548,11 @@ class CompressedWire:
         except (ValueError, TypeError, IndexError, KeyError, OverflowError) as exc:
             raise PayloadError(f"{self.codec.name} payload does not decode: {exc}") from None
         if res is not dst:
-            if not isinstance(res, np.ndarray) or res.shape != (dst.size,):
+            n = _array.size(dst)
+            if _array.is_host(res) != _array.is_host(dst) or tuple(res.shape) != (n,):
                 raise PayloadError(f"{self.codec.name} payload decodes to "
-                                   f"{getattr(res, 'shape', type(res))}, ({dst.size},) expected")
-            dst[...] = res
+                                   f"{getattr(res, 'shape', type(res))}, ({n},) expected")
+            _array.assign(dst, res)
 
     def _decode_add(self, data: np.ndarray, seg: np.ndarray) -> None:
         """``seg += decode(data)``, validated."""
@@ -546,9 +560,10 @@ class CompressedWire:
 
     def _decode_add_payload(self, payload: Payload, seg: np.ndarray) -> None:
         if not self._add:
-            dec = self._scratch_of(1, seg.size)
+            dec = self._scratch_of(1, _array.size(seg))
             self._decode_payload(payload, dec)
-            np.add(dec, seg, out=seg)           # IEEE addition commutes: order-free
+            with np.errstate(invalid="ignore", over="ignore"):
+                seg += dec                      # IEEE addition commutes: order-free
             return
         try:
             res = self.codec.decompress(payload, out=seg, add=True)  # type: ignore[call-arg]
@@ -756,14 +771,14 @@ def _gathered(t: Transport, x: np.ndarray, codec: Compressor, sparse: bool, seed
     :func:`~gradcomm.collectives.sparse_allgather.allreduce` instead."""
     from .allgather import allgatherv
 
-    n = x.size
+    n = _array.size(x)
     wire = CompressedWire(codec, x, seeds, state=state)
     pairs = _accepts(getattr(codec, "to_sparse", None), "payload")
     size = wire.bound(n)
     if ef is None or (_plain_ef(ef) and wire._fused):
         # the key's residual e (if any) is fused into the codec's pass: y = x + e is
         # compressed and e = y - decode(y) left behind; x itself is not needed after
-        e = ef.residual(key, n, x.dtype) if ef is not None else None
+        e = ef.residual(key, n, wire.dtype, like=x) if ef is not None else None
         if sparse and pairs:
             payload = codec.compress(x, seed=seeds.whole(),   # type: ignore[call-arg]
                                      **({} if e is None else {"residual": e}))
@@ -774,7 +789,7 @@ def _gathered(t: Transport, x: np.ndarray, codec: Compressor, sparse: bool, seed
         if sparse:
             dec = wire._scratch_of(0, n)
             wire._decode(data, dec)
-            idx = np.flatnonzero(dec)
+            idx = _nonzero(dec)
             _sparse_sum(t, idx, dec[idx], x)
             return
     else:                       # a residual store of its own (the DDP hook's): step by step
@@ -784,7 +799,7 @@ def _gathered(t: Transport, x: np.ndarray, codec: Compressor, sparse: bool, seed
         wire._decode(data, dec)
         ef.update(key, x, dec)
         if sparse:
-            idx = np.flatnonzero(dec)
+            idx = _nonzero(dec)
             _sparse_sum(t, idx, dec[idx], x)
             return
     landing = wire.state.arena.take(size * t.size)
@@ -799,24 +814,34 @@ def _gathered(t: Transport, x: np.ndarray, codec: Compressor, sparse: bool, seed
     _decode_sum(wire, payloads, x)
 
 
-def _sparse_sum(t: Transport, idx: np.ndarray, vals: np.ndarray, x: np.ndarray) -> None:
+def _nonzero(a: Any) -> Any:
+    """Indices of ``a``'s non-zero elements (int64, ascending, where ``a`` is)."""
+    if _array.is_host(a):
+        return np.flatnonzero(a)
+    xp = _array.namespace(a)
+    return xp.astype(xp.nonzero(a)[0], xp.int64)
+
+
+def _sparse_sum(t: Transport, idx: Any, vals: Any, x: Any) -> None:
+    """``x = Σ_ranks scatter(idx, vals)``: the pairs go through the host (they are few);
+    the result lands in ``x`` where it is."""
     from .sparse_allgather import allreduce as sparse_allreduce
 
-    sparse_allreduce(t, idx, vals, x.size, out=x)
+    sparse_allreduce(t, _array.host(idx), _array.host(vals), _array.size(x), out=x)
 
 
 def _decode_sum(wire: CompressedWire, payloads: list[Payload], x: np.ndarray) -> None:
     """``x = Σ decode(payloads)`` in rank order (the codec's decompress_sum if it has its
     own, else decode, then decode-and-add)."""
-    codec, n = wire.codec, x.size
+    codec, n = wire.codec, _array.size(x)
     try:
         if type(codec).decompress_sum is not Compressor.decompress_sum:
             total = codec.decompress_sum(payloads, out=x)
             if total is not x:
-                if total.shape != (n,):
+                if tuple(total.shape) != (n,):
                     raise PayloadError(f"{codec.name} payloads decode to shape "
-                                       f"{total.shape}, ({n},) expected")
-                x[...] = total
+                                       f"{tuple(total.shape)}, ({n},) expected")
+                _array.assign(x, total)
             return
         wire._decode_payload(payloads[0], x)
         for p in payloads[1:]:
@@ -839,8 +864,16 @@ def compressed_allreduce(t: Transport, buf: np.ndarray, dtype: str, *, op: str,
     (default 0) seeds the stochastic codecs. Errors in the arguments are raised on every
     rank (after the cross-rank check, when ``check``).
     """
-    if (compressor if isinstance(compressor, str) else getattr(compressor, "name", None)) \
-            == "powersgd":                      # stateful, two rounds: its own route
+    powersgd = (compressor if isinstance(compressor, str) else
+                getattr(compressor, "name", None)) == "powersgd"
+    if not _array.is_host(buf) and (powersgd or algorithm in HOP_ALGORITHMS):
+        # a device buffer on a route that runs on the host: staged through a host copy
+        res = compressed_allreduce(t, _array.host(buf).copy(), dtype, op=op,
+                                   algorithm=algorithm, compressor=compressor, check=check,
+                                   seed=seed, residuals=residuals, key=key, **options)
+        _array.assign(buf, _array.like(res, buf))
+        return buf
+    if powersgd:                                # stateful, two rounds: its own route
         from .powersgd import powersgd_allreduce
 
         return powersgd_allreduce(t, buf, dtype, op=op, algorithm=algorithm, codec=compressor,
@@ -884,8 +917,11 @@ def compressed_allreduce(t: Transport, buf: np.ndarray, dtype: str, *, op: str,
     if check:
         config = repr(sorted(codec.get_config().items())) if codec is not None else "?"
         try:
-            agree(t, "compressed allreduce", count=int(buf.size), dtype=dtype, op=op,
-                  algorithm=algorithm, compressor=name, config=config,
+            # "auto" takes the gather routes for device buffers (on the host: maybe per hop)
+            route = algorithm if algorithm != "auto" else \
+                "auto (host)" if _array.is_host(buf) else "auto (device buffer)"
+            agree(t, "compressed allreduce", count=_array.size(buf), dtype=dtype, op=op,
+                  algorithm=route, compressor=name, config=config,
                   seed=seed if isinstance(seed, int) else repr(seed), step=step, key=key,
                   error_feedback=residuals is not None and residuals.enabled,
                   valid=problem is None)
@@ -905,14 +941,14 @@ def compressed_allreduce(t: Transport, buf: np.ndarray, dtype: str, *, op: str,
 def _run(t: Transport, buf: np.ndarray, dtype: str, op: str, algorithm: str,
          codec: Compressor, seed: int, step: int, ef: ErrorFeedback | None, key: str
          ) -> np.ndarray:
-    p, n = t.size, buf.size
+    p, n = t.size, _array.size(buf)
     ef = ef if (ef is not None and ef.enabled and codec.lossy and contractive(codec)) \
         else None
     pre_divide = op == "mean" and codec.lossy and p > 1
     if p == 1 or n == 0:
         x = _widen(buf, dtype, None)
         if pre_divide:
-            np.divide(x, x.dtype.type(p), out=x)
+            _array.divide_(x, p)
         if ef is not None and n:
             ef.compensate(key, x)
             ef.update(key, x, x)
@@ -920,17 +956,19 @@ def _run(t: Transport, buf: np.ndarray, dtype: str, op: str, algorithm: str,
     with _session(t) as state:
         x = _widen(buf, dtype, state)
         if pre_divide:
-            np.divide(x, x.dtype.type(p), out=x)
+            _array.divide_(x, p)
         seeds = _Seeds(seed, step, key, t.rank, codec.shared_seed)
         name = algorithm
-        if name == "auto":
+        if name == "auto" and not _array.is_host(x):     # device: gather routes only
+            name = "sparse_allgather" if is_sparse(codec) else "allgather"
+        elif name == "auto":
             name = _choose(t, codec, n, x.dtype.name, np.dtype(buf.dtype).itemsize)
         if name in HOP_ALGORITHMS:
             _per_hop(t, x, codec, name, seeds, ef, key, state)
         else:
             _gathered(t, x, codec, name == "sparse_allgather", seeds, ef, key, state)
         if op == "mean" and not pre_divide:
-            np.divide(x, x.dtype.type(p), out=x)
+            _array.divide_(x, p)
         return _narrow(x, buf, dtype)
 
 
@@ -940,13 +978,16 @@ def _widen(buf: np.ndarray, dtype: str, state: _State | None) -> np.ndarray:
         return buf
     from ..compressors import _kernels
 
-    x = state.floats(3, buf.size, np.float32) if state is not None else \
-        np.empty(buf.size, np.float32)
-    k = _kernels.for_size(buf.size)
+    n = _array.size(buf)
+    if not _array.is_host(buf):
+        x = _array.empty_like_kind(buf, n, "float32")
+    else:
+        x = state.floats(3, n, np.float32) if state is not None else np.empty(n, np.float32)
+    k = _kernels.for_array(buf)
     if dtype == "bfloat16":
         k.bf16_to_f32(buf, x)
     else:
-        k.f16_to_f32(buf.view(np.uint16), x)
+        k.f16_to_f32(_array.bitcast(buf, "uint16"), x)
     return x
 
 
@@ -955,11 +996,11 @@ def _narrow(x: np.ndarray, buf: np.ndarray, dtype: str) -> np.ndarray:
     if x is not buf:
         from ..compressors import _kernels
 
-        k = _kernels.for_size(buf.size)
+        k = _kernels.for_array(buf)
         if dtype == "bfloat16":
             k.f32_to_bf16(x, buf)
         else:
-            k.f32_to_f16(x, buf.view(np.uint16))
+            k.f32_to_f16(x, _array.bitcast(buf, "uint16"))
     return buf
 
 

@@ -130,16 +130,20 @@ def allreduce(t: Transport, indices: np.ndarray, values: np.ndarray, n: int, *,
     _, blocks, dense, _ = _exchange(t, idx, vals, n, mask=False)
     if out is None:
         out = np.zeros(n, vals.dtype)
+    host = _array.is_host(out)            # else a device buffer: blocks are copied there
     if dense is not None:
-        out[...] = dense
+        _array.assign(out, dense if host else _array.like(dense, out))
         return out
-    out.fill(0)
+    _array.assign(out, 0)
     scatter = None
-    if out.dtype == vals.dtype and out.flags.c_contiguous and vals.dtype.kind == "f":
+    if not host or (out.dtype == vals.dtype and out.flags.c_contiguous and
+                    vals.dtype.kind == "f"):
         from ..compressors import _kernels
 
-        scatter = _kernels.for_size(n).scatter       # compiled scatter-add on large n
+        scatter = _kernels.for_array(out).scatter    # compiled scatter-add on large n
     for ir, vr in blocks or []:
+        if not host:
+            ir, vr = _array.like(ir, out), _array.like(vr, out)
         if scatter is not None:
             scatter(out, ir, vr, True)                # blocks were checked in _exchange
         else:

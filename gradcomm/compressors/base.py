@@ -24,6 +24,7 @@ from typing import Any, ClassVar, Mapping, Sequence
 import msgpack
 import numpy as np
 
+from .. import _array
 from .._dtypes import CODES, NAMES, STORAGE
 from ..errors import ConfigError, PayloadError, UnsupportedError
 
@@ -44,7 +45,13 @@ FLOAT_DTYPES = ("float16", "float32", "float64")
 
 @dataclass(frozen=True)
 class Payload:
-    """A codec's output: ``codec`` name, scalar ``header`` and flat ``buffers``."""
+    """A codec's output: ``codec`` name, scalar ``header`` and flat ``buffers``.
+
+    Buffers live where the codec ran: numpy on the host, or cupy / torch arrays (CPU or
+    CUDA) for a codec given such an array. The wire form (:meth:`to_bytes`,
+    :meth:`write_into`) is always host bytes; :meth:`to` moves the buffers of a received
+    payload to where it will be decoded.
+    """
 
     codec: str
     header: Mapping[str, Any]
@@ -53,20 +60,41 @@ class Payload:
     def _meta(self) -> bytes:
         bufs = []
         for name, b in self.buffers.items():
-            bufs.append([name, CODES[b.dtype.name], int(b.size)])
+            bufs.append([name, CODES[_array.dtype_name(b)], _array.size(b)])
         return msgpack.packb({"c": self.codec, "h": dict(self.header), "b": bufs},
                              use_bin_type=True)
 
     @property
     def nbytes(self) -> int:
         """Bytes on the wire: prefix + msgpack header + raw buffers."""
-        return _PREFIX.size + len(self._meta()) + sum(b.nbytes for b in self.buffers.values())
+        return _PREFIX.size + len(self._meta()) + self._body()
+
+    def _body(self) -> int:
+        return sum(b.nbytes if isinstance(b, np.ndarray) else _array.nbytes(b)
+                   for b in self.buffers.values())
+
+    def to(self, ref: Any) -> Payload:
+        """This payload with its buffers where ``ref`` (an array) lives: host buffers are
+        copied to ``ref``'s kind and device; buffers already there are kept.
+
+        Example:
+            >>> p = Payload("none", {"n": 1}, {"values": np.ones(1, np.float32)})
+            >>> p.to(np.zeros(1)) is p
+            True
+        """
+        if _array.is_host(ref):
+            if all(isinstance(b, np.ndarray) for b in self.buffers.values()):
+                return self
+            return Payload(self.codec, self.header,
+                           {k: _array.host(b) for k, b in self.buffers.items()})
+        return Payload(self.codec, self.header,
+                       {k: _array.like(np.ascontiguousarray(b), ref) if _array.is_host(b)
+                        else b for k, b in self.buffers.items()})
 
     def to_bytes(self) -> np.ndarray:
         """The wire form, as a flat uint8 array of exactly ``nbytes`` bytes."""
         meta = self._meta()
-        out = np.empty(_PREFIX.size + len(meta) + sum(b.nbytes for b in self.buffers.values()),
-                       np.uint8)
+        out = np.empty(_PREFIX.size + len(meta) + self._body(), np.uint8)
         self.write_into(out, meta)
         return out
 
@@ -84,7 +112,7 @@ class Payload:
             True
         """
         meta = self._meta() if meta is None else meta
-        total = _PREFIX.size + len(meta) + sum(b.nbytes for b in self.buffers.values())
+        total = _PREFIX.size + len(meta) + self._body()
         if out.dtype != np.uint8 or out.ndim != 1 or out.size < total:
             raise ValueError(f"write_into needs a flat uint8 array of >= {total} bytes")
         _PREFIX.pack_into(out, 0, MAGIC, VERSION, len(meta))
@@ -93,6 +121,8 @@ class Payload:
         pos += len(meta)
         base = out.ctypes.data
         for b in self.buffers.values():
+            if not isinstance(b, np.ndarray):                 # a device buffer: copied here
+                b = _array.host(b)
             n = b.nbytes
             if n and not (b.flags.c_contiguous and b.ctypes.data == base + pos):
                 out[pos:pos + n] = np.ascontiguousarray(b).reshape(-1).view(np.uint8)
@@ -173,9 +203,30 @@ class Compressor(ABC):
         """The options that rebuild this compressor with ``get(name, **config)``."""
         return {}
 
-    @abstractmethod
-    def compress(self, x: np.ndarray, *, seed: Sequence[int] | int | None = None) -> Payload:
-        """Encode flat float ``x`` (float16/32/64, or bfloat16 bits with dtype=) ."""
+    def compress(self, x: Any, *, seed: Sequence[int] | int | None = None,
+                 out: Payload | None = None, residual: Any = None,
+                 decoded: Any = None) -> Payload:
+        """Encode flat float ``x`` (float16/32/64; numpy, or cupy / torch on any device:
+        the payload's buffers are then of that kind, made by the device kernels).
+
+        With ``residual`` e, encode ``y = x + e`` and leave ``e = y − decode``; with
+        ``decoded``, leave ``decode`` there (may be ``x``): one fused pass where the kernel
+        path has one, else step by step with the same bytes (:func:`compose`). ``out``: an
+        earlier payload whose buffers may be reused. Codecs implement :meth:`_encode`.
+        """
+        x = as_input(x, self.name)
+        fk = None
+        if residual is not None or decoded is not None:
+            fk = fused_kernels(x, residual, decoded, self.name)
+            if fk is None:
+                return compose(self, x, seed, out, residual, decoded)
+        return self._encode(x, seed, out, fk, residual, decoded)
+
+    def _encode(self, x: Any, seed: Any, out: Payload | None, fk: Any, residual: Any,
+                decoded: Any) -> Payload:
+        """Encode validated flat ``x``; ``fk``: the fused kernel module that also applies
+        ``residual`` / ``decoded`` (None: plain encode)."""
+        raise NotImplementedError(f"{type(self).__name__} must define compress or _encode")
 
     @abstractmethod
     def decompress(self, payload: Payload, out: np.ndarray | None = None) -> np.ndarray:
@@ -222,14 +273,21 @@ def positive_int(name: str, value: Any, low: int = 1, high: int | None = None) -
 
 # --- helpers shared by the codecs (encode side) -------------------------------------------
 
-def as_input(x: Any, name: str) -> np.ndarray:
-    """``x`` as a flat contiguous float16/32/64 numpy array, or ConfigError."""
-    if not isinstance(x, np.ndarray):
-        raise ConfigError(f"{name}.compress takes a numpy array, got {type(x).__name__}")
-    if x.dtype.name not in FLOAT_DTYPES:
+def as_input(x: Any, name: str) -> Any:
+    """``x`` as a flat contiguous float16/32/64 array of its own kind (numpy, cupy or
+    torch) and device, or ConfigError."""
+    if isinstance(x, np.ndarray):
+        dt = x.dtype.name
+    else:
+        try:
+            dt = _array.dtype_name(x) if _array.kind(x) else ""
+        except ConfigError:
+            raise ConfigError(f"{name}.compress takes a numpy array, cupy array or torch "
+                              f"tensor, got {type(x).__name__}") from None
+    if dt not in FLOAT_DTYPES:
         raise ConfigError(f"{name}.compress takes float16, float32 or float64, got "
-                          f"{x.dtype.name} (bfloat16 is widened to float32 by the caller)")
-    return np.ascontiguousarray(x).reshape(-1)
+                          f"{dt} (bfloat16 is widened to float32 by the caller)")
+    return _array.flat(x)
 
 
 def seed_words(seed: Any) -> np.ndarray:
@@ -285,6 +343,21 @@ def fused_kernels(x: np.ndarray, residual: Any, decoded: Any, name: str) -> Any:
     ``residual`` and ``decoded`` must be flat, contiguous, writable arrays of ``x``'s
     dtype and size (``decoded`` may be ``x`` itself).
     """
+    if not isinstance(x, np.ndarray):                     # device arrays: composed
+        dt, n = _array.dtype_name(x), _array.size(x)
+        for what, a in (("residual", residual), ("decoded", decoded)):
+            ok = a is not None and not _array.is_host(a)
+            if ok:
+                ok = _array.kind(a) == _array.kind(x) and _array.dtype_name(a) == dt and \
+                    len(a.shape) == 1 and _array.size(a) == n and \
+                    _array.meta_of(a).device == _array.meta_of(x).device and \
+                    _array.is_contiguous(a)
+            if a is not None and not ok:
+                raise ConfigError(f"{name}.compress: {what} must be a flat {dt}[{n}] array "
+                                  f"of x's kind and device, got {type(a).__name__}")
+        if residual is not None and residual is x:
+            raise ConfigError(f"{name}.compress: residual must not overlap x")
+        return None
     for what, a in (("residual", residual), ("decoded", decoded)):
         if a is not None and not (isinstance(a, np.ndarray) and a.dtype == x.dtype and
                                   a.ndim == 1 and a.size == x.size and
@@ -309,17 +382,18 @@ def compose(codec: Compressor, x: np.ndarray, seed: Any, out: Any, residual: Any
     (into ``e``); the payload encodes ``y``; ``d = decode(payload)``; ``e = y - d``.
     Fused kernels produce exactly these bytes in one pass."""
     y = x
-    if residual is not None:
-        np.add(x, residual, out=residual)
-        y = residual
-    payload = codec.compress(y, seed=seed, out=out)      # type: ignore[call-arg]
-    if residual is None and decoded is None:
-        return payload
-    dec = decoded if decoded is not None else np.empty_like(y)
-    codec.decompress(payload, out=dec)
-    if residual is not None:
-        with np.errstate(invalid="ignore"):             # inf - inf: NaN, by design
-            np.subtract(residual, dec, out=residual)
+    with np.errstate(invalid="ignore", over="ignore"):  # inf - inf: NaN, by design
+        if residual is not None:
+            residual += x                               # IEEE addition commutes
+            y = residual
+        payload = codec.compress(y, seed=seed, out=out)  # type: ignore[call-arg]
+        if residual is None and decoded is None:
+            return payload
+        dec = decoded if decoded is not None else \
+            _array.empty_like_kind(y, _array.size(y), _array.dtype_name(y))
+        codec.decompress(payload, out=dec)
+        if residual is not None:
+            residual -= dec
     return payload
 
 
@@ -329,19 +403,36 @@ def need_out(add: bool, out: Any, name: str) -> None:
         raise ConfigError(f"{name}.decompress: add=True needs out= (the array to add to)")
 
 
-def make_out(out: np.ndarray | None, n: int, dtype: np.dtype, zero: bool = False
-             ) -> np.ndarray:
+def make_out(out: Any, n: int, dtype: np.dtype, zero: bool = False, like: Any = None
+             ) -> Any:
     """``out`` checked against the payload's count and dtype, or a new array (zeroed if
     ``zero``; an existing ``out`` is zeroed too).
 
     A payload that disagrees with the caller's ``out`` raises PayloadError (the peer sent
-    something else than expected); without ``out`` the count is bounded by MAX_COUNT.
+    something else than expected); without ``out`` the count is bounded by MAX_COUNT,
+    and a new array is of ``like``'s kind and device (host numpy if ``like`` is None).
     """
     if out is None:
         if n > MAX_COUNT:
             raise PayloadError(f"payload announces {n} elements, above MAX_COUNT={MAX_COUNT}; "
                                "pass out= to decode larger arrays")
+        if like is not None and not _array.is_host(like):
+            out = _array.empty_like_kind(like, n, np.dtype(dtype).name)
+            if zero:
+                _array.assign(out, 0)
+            return out
         return np.zeros(n, dtype) if zero else np.empty(n, dtype)   # zeros: lazy pages
+    if not isinstance(out, np.ndarray) and _array.kind(out):
+        name = np.dtype(dtype).name
+        if _array.dtype_name(out) != name or _array.size(out) != n or \
+                not _array.is_contiguous(out):
+            raise PayloadError(f"payload decodes to {name}[{n}], out is "
+                               f"{_array.dtype_name(out)}[{_array.size(out)}] (or not "
+                               "contiguous)")
+        out = _array.flat(out)
+        if zero:
+            _array.assign(out, 0)
+        return out
     if not isinstance(out, np.ndarray) or out.dtype != dtype or out.size != n or \
             not out.flags.c_contiguous or not out.flags.writeable:
         got = f"{out.dtype.name}[{out.size}]" if isinstance(out, np.ndarray) else type(out)
@@ -370,7 +461,7 @@ class Reader:
     """
 
     def __init__(self, payload: Any, name: str, keys: Sequence[str],
-                 buffers: Sequence[str]) -> None:
+                 buffers: Sequence[str], out: Any = None) -> None:
         if not isinstance(payload, Payload):
             raise PayloadError(f"{name}: expected a Payload, got {type(payload).__name__}")
         check_codec(payload, name)
@@ -382,6 +473,9 @@ class Reader:
         if not isinstance(b, Mapping) or set(b) != set(buffers):
             raise PayloadError(f"{name} payload has buffers {sorted(map(str, b))}, "
                                f"expected {sorted(buffers)}")
+        #: where decoding happens: ``out``'s kind and device, else the payload's buffers'
+        #: (a host payload decoded into a device ``out`` has its buffers copied there)
+        self.like = out if out is not None else next(iter(b.values()), None)
 
     def int(self, key: str, low: int, high: int) -> int:
         v = self.p.header[key]
@@ -403,21 +497,34 @@ class Reader:
                                f"{', '.join(FLOAT_DTYPES)}")
         return STORAGE[NAMES[v]]
 
-    def buffer(self, name: str, dtype: str, count: int) -> np.ndarray:
+    def buffer(self, name: str, dtype: str, count: int) -> Any:
+        """Buffer ``name``, checked to be ``dtype[count]``, where decoding happens."""
         b = self.p.buffers[name]
-        if not isinstance(b, np.ndarray) or b.dtype != STORAGE[dtype] or b.ndim != 1 or \
-                b.size != count:
-            got = f"{b.dtype.name}[{b.size}]" if isinstance(b, np.ndarray) else type(b).__name__
-            raise PayloadError(f"{self.name} payload: buffer {name!r} is {got}, expected "
-                               f"{dtype}[{count}]")
-        return b if b.flags.c_contiguous else np.ascontiguousarray(b)
+        if isinstance(b, np.ndarray):
+            if b.dtype != STORAGE[dtype] or b.ndim != 1 or b.size != count:
+                raise PayloadError(f"{self.name} payload: buffer {name!r} is "
+                                   f"{b.dtype.name}[{b.size}], expected {dtype}[{count}]")
+            b = b if b.flags.c_contiguous else np.ascontiguousarray(b)
+            return b if self.like is None or _array.is_host(self.like) else \
+                _array.like(b, self.like)
+        try:
+            ok = _array.dtype_name(b) == STORAGE[dtype].name and len(b.shape) == 1 and \
+                _array.size(b) == count
+        except ConfigError:
+            ok = False
+        if not ok:
+            raise PayloadError(f"{self.name} payload: buffer {name!r} is not {dtype}[{count}]")
+        return _array.flat(b) if self.like is None or not _array.is_host(self.like) else \
+            _array.host(b)
 
 
-def reuse(out: Payload | None, name: str, dtype: Any, count: int) -> np.ndarray:
+def reuse(out: Payload | None, name: str, dtype: Any, count: int, like: Any = None) -> Any:
     """Buffer ``name`` of an earlier payload ``out`` (a ``compress(..., out=)`` argument) if
     it can hold ``count`` ``dtype`` elements, else a new array; saves page faults on hot
     paths (a fresh 64 MiB allocation costs several memory copies)."""
     dt = np.dtype(dtype)
+    if like is not None and not isinstance(like, np.ndarray):    # device: like's kind
+        return _array.empty_like_kind(like, count, dt.name)
     if out is not None:
         b = out.buffers.get(name)
         if isinstance(b, np.ndarray) and b.dtype == dt and b.size >= count and \
@@ -426,14 +533,18 @@ def reuse(out: Payload | None, name: str, dtype: Any, count: int) -> np.ndarray:
     return np.empty(count, dt)
 
 
-def as_float32(x: np.ndarray) -> np.ndarray:
-    """float32 view of float32 ``x``, else a rounded copy (the quantizers work in float32)."""
-    return x if x.dtype == np.float32 else x.astype(np.float32)
+def as_float32(x: Any) -> Any:
+    """float32 ``x`` itself, else a rounded copy (the quantizers work in float32)."""
+    if isinstance(x, np.ndarray):
+        return x if x.dtype == np.float32 else x.astype(np.float32)
+    return x if _array.dtype_name(x) == "float32" else _array.cast(x, "float32")
 
 
 def dtype_code(dtype: Any) -> int:
     """Payload code of a float dtype name or numpy dtype (ConfigError otherwise)."""
-    name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
+    name = dtype if isinstance(dtype, str) else \
+        (np.dtype(dtype).name if isinstance(dtype, (np.dtype, type)) else
+         str(dtype).removeprefix("torch."))
     if name not in FLOAT_DTYPES:
         raise ConfigError(f"dtype must be one of {', '.join(FLOAT_DTYPES)}, got {dtype!r}")
     return CODES[name]

@@ -14,13 +14,14 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
 from . import _kernels
-from .base import (Compressor, Payload, Reader, as_float32, as_input, compose, dtype_code,
-                   fused_kernels, make_out, need_out, payload_nbytes, reuse)
+from .._array import dtype_name, size
+from .base import (Compressor, Payload, Reader, as_float32, dtype_code, make_out, need_out,
+                   payload_nbytes, reuse)
 
 
 class Bf16Compressor(Compressor):
@@ -29,35 +30,25 @@ class Bf16Compressor(Compressor):
     name = "bf16"
     reduction = "summable"
 
-    def compress(self, x: np.ndarray, *, seed: Sequence[int] | int | None = None,
-                 out: Payload | None = None, residual: np.ndarray | None = None,
-                 decoded: np.ndarray | None = None) -> Payload:
-        """Encode ``x``; with ``residual`` e, encode ``y = x + e`` and leave ``e = y −
-        decode``; with ``decoded``, leave ``decode`` there (may be ``x``): one fused pass
-        (:func:`~gradcomm.compressors.base.compose` defines the bytes)."""
-        x = as_input(x, self.name)
-        fk = None
-        if residual is not None or decoded is not None:
-            fk = fused_kernels(x, residual, decoded, self.name)
-            if fk is None:
-                return compose(self, x, seed, out, residual, decoded)
-        v = reuse(out, "v", np.uint16, x.size)
+    def _encode(self, x: Any, seed: Any, out: Payload | None, fk: Any, residual: Any,
+                decoded: Any) -> Payload:
+        v = reuse(out, "v", np.uint16, size(x), x)
         if fk is not None:
             fk.fused("bf16", x, (v,), residual, decoded)
         else:
-            _kernels.for_size(x.size).f32_to_bf16(as_float32(x), v)
-        return Payload(self.name, {"n": x.size, "dt": dtype_code(x.dtype)}, {"v": v})
+            _kernels.for_array(x).f32_to_bf16(as_float32(x), v)
+        return Payload(self.name, {"n": size(x), "dt": dtype_code(dtype_name(x))}, {"v": v})
 
     def decompress(self, payload: Payload, out: np.ndarray | None = None,
                    add: bool = False) -> np.ndarray:
         """Decode into ``out`` (new if None); ``add``: ``out = decoded + out``."""
         need_out(add, out, self.name)
-        r = Reader(payload, self.name, ("n", "dt"), ("v",))
+        r = Reader(payload, self.name, ("n", "dt"), ("v",), out)
         dt = r.dtype()
         n = r.int("n", 0, 1 << 62)
         v = r.buffer("v", "uint16", n)
-        out = make_out(out, n, dt)
-        k = _kernels.for_size(n)
+        out = make_out(out, n, dt, like=r.like)
+        k = _kernels.for_array(out)
         tmp = _kernels.f32_target(out)
         k.bf16_to_f32(v, tmp, add and tmp is out)
         return _kernels.f32_finish(tmp, out, k, add)

@@ -15,14 +15,15 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
 from . import _kernels
 from ._kernels import _numpy
-from .base import (Compressor, Payload, Reader, as_input, compose, dtype_code, fused_kernels,
-                   make_out, need_out, payload_nbytes, reuse)
+from .._array import assign, bitcast, dtype_name, is_host, size
+from .base import (Compressor, Payload, Reader, dtype_code, make_out, need_out, payload_nbytes,
+                   reuse)
 
 
 class Fp16Compressor(Compressor):
@@ -31,47 +32,38 @@ class Fp16Compressor(Compressor):
     name = "fp16"
     reduction = "summable"
 
-    def compress(self, x: np.ndarray, *, seed: Sequence[int] | int | None = None,
-                 out: Payload | None = None, residual: np.ndarray | None = None,
-                 decoded: np.ndarray | None = None) -> Payload:
-        """Encode ``x``; with ``residual`` e, encode ``y = x + e`` and leave ``e = y −
-        decode``; with ``decoded``, leave ``decode`` there (may be ``x``): one fused pass
-        (:func:`~gradcomm.compressors.base.compose` defines the bytes)."""
-        x = as_input(x, self.name)
-        fk = None
-        if residual is not None or decoded is not None:
-            fk = fused_kernels(x, residual, decoded, self.name)
-            if fk is None:
-                return compose(self, x, seed, out, residual, decoded)
-        v = reuse(out, "v", np.float16, x.size)
+    def _encode(self, x: Any, seed: Any, out: Payload | None, fk: Any, residual: Any,
+                decoded: Any) -> Payload:
+        n, dt = size(x), dtype_name(x)
+        v = reuse(out, "v", np.float16, n, x)
         if fk is not None:
             fk.fused("f16", x, (v.view(np.uint16),), residual, decoded)
-        elif x.dtype == np.float16:
-            v[...] = x
-        elif x.dtype == np.float32:
-            _kernels.for_size(x.size).f32_to_f16(x, v.view(np.uint16))
+        elif dt == "float16":
+            assign(v, x)
+        elif dt == "float32" or not is_host(x):
+            _kernels.for_array(x).f32_to_f16(x, bitcast(v, "uint16"))
         else:                                   # float64: rounded once, directly to half
             _numpy.f32_to_f16(x, v.view(np.uint16))
-        return Payload(self.name, {"n": x.size, "dt": dtype_code(x.dtype)}, {"v": v})
+        return Payload(self.name, {"n": n, "dt": dtype_code(dt)}, {"v": v})
 
     def decompress(self, payload: Payload, out: np.ndarray | None = None,
                    add: bool = False) -> np.ndarray:
         """Decode into ``out`` (new if None); ``add``: ``out = decoded + out``."""
         need_out(add, out, self.name)
-        r = Reader(payload, self.name, ("n", "dt"), ("v",))
+        r = Reader(payload, self.name, ("n", "dt"), ("v",), out)
         dt = r.dtype()
         n = r.int("n", 0, 1 << 62)
         v = r.buffer("v", "float16", n)
-        out = make_out(out, n, dt)
+        out = make_out(out, n, dt, like=r.like)
         if dt == np.float16:
             if add:
-                np.add(v, out, out=out)
+                out += v                        # IEEE addition commutes
             else:
-                out[...] = v
+                assign(out, v)
         else:
-            k = _kernels.for_size(n)
+            k = _kernels.for_array(out)
             tmp = _kernels.f32_target(out)
-            k.f16_to_f32(v.view(np.uint16), tmp, add and tmp is out)
+            k.f16_to_f32(bitcast(v, "uint16"), tmp, add and tmp is out)
             _kernels.f32_finish(tmp, out, k, add)
         return out
 

@@ -29,14 +29,14 @@ Example:
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
 from . import _kernels
-from .base import (Compressor, Payload, Reader, as_float32, as_input, compose, dtype_code,
-                   fused_kernels, make_out, need_out, one_of, payload_nbytes, positive_int, reuse,
-                   seed_words)
+from .._array import dtype_name, size
+from .base import (Compressor, Payload, Reader, as_float32, dtype_code, make_out, need_out, one_of,
+                   payload_nbytes, positive_int, reuse, seed_words)
 from ..errors import ConfigError, PayloadError
 
 #: largest bucket a payload may announce (also the option's upper bound)
@@ -81,23 +81,13 @@ class Int8Compressor(Compressor):
             return {"n": n, "dt": dt, "bits": self.bits, "bs": self.bucket_size}
         return {"n": n, "dt": dt, "bits": self.bits, "sc": self.scale}
 
-    def compress(self, x: np.ndarray, *, seed: Sequence[int] | int | None = None,
-                 out: Payload | None = None, residual: np.ndarray | None = None,
-                 decoded: np.ndarray | None = None) -> Payload:
-        """Encode ``x``; with ``residual`` e, encode ``y = x + e`` and leave ``e = y −
-        decode``; with ``decoded``, leave ``decode`` there (may be ``x``): one fused pass
-        (:func:`~gradcomm.compressors.base.compose` defines the bytes)."""
-        x = as_input(x, self.name)
-        fk = None
-        if residual is not None or decoded is not None:
-            fk = fused_kernels(x, residual, decoded, self.name)
-            if fk is None:
-                return compose(self, x, seed, out, residual, decoded)
-        x32, n, k = as_float32(x), x.size, _kernels.for_size(x.size)
+    def _encode(self, x: Any, seed: Any, out: Payload | None, fk: Any, residual: Any,
+                decoded: Any) -> Payload:
+        x32, n, k = as_float32(x), size(x), _kernels.for_array(x)
         stochastic = self.rounding == "stochastic"
         key = seed_words(seed) if stochastic else np.zeros(4, np.uint32)
-        q = reuse(out, "q", np.uint8, (n * self.bits + 7) // 8)
-        header = self._header(n, dtype_code(x.dtype))
+        q = reuse(out, "q", np.uint8, (n * self.bits + 7) // 8, x)
+        header = self._header(n, dtype_code(dtype_name(x)))
         if self.scale is not None:
             if fk is not None:
                 fk.fused("fixed", x32, (self.bits, self.scale, stochastic, key, q), residual,
@@ -106,7 +96,7 @@ class Int8Compressor(Compressor):
                 k.fixed_encode(x32, self.bits, self.scale, stochastic, key, q)
             return Payload(self.name, header, {"q": q})
         nb = -(-n // self.bucket_size)
-        lo, unit = reuse(out, "lo", np.float32, nb), reuse(out, "unit", np.float32, nb)
+        lo, unit = reuse(out, "lo", np.float32, nb, x), reuse(out, "unit", np.float32, nb, x)
         args = (self.bucket_size, self.bits, stochastic, key, lo, unit, q)
         if fk is not None:
             fk.fused("minmax", x32, args, residual, decoded)
@@ -121,12 +111,12 @@ class Int8Compressor(Compressor):
         shared = isinstance(payload, Payload) and isinstance(payload.header, dict) and \
             "sc" in payload.header
         keys = ("n", "dt", "bits", "sc") if shared else ("n", "dt", "bits", "bs")
-        r = Reader(payload, self.name, keys, ("q",) if shared else ("lo", "unit", "q"))
+        r = Reader(payload, self.name, keys, ("q",) if shared else ("lo", "unit", "q"), out)
         dt, bits = r.dtype(), r.int("bits", 2 if shared else 1, 8)
         n = r.int("n", 0, 1 << 62)
         q = r.buffer("q", "uint8", (n * bits + 7) // 8)
-        out = make_out(out, n, dt)
-        k = _kernels.for_size(n)
+        out = make_out(out, n, dt, like=r.like)
+        k = _kernels.for_array(out)
         tmp = _kernels.f32_target(out)
         if shared:
             k.fixed_decode(q, n, bits, r.float("sc"), tmp, add and tmp is out)

@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .._array import assign, dtype_name, empty_like_kind, flat, size
 from .base import Compressor, Payload, check_codec, make_out, need_out, payload_nbytes
 from ..errors import PayloadError
 
@@ -27,8 +28,8 @@ class NoneCompressor(Compressor):
     reduction = "summable"
     lossy = False
 
-    def compress(self, x: np.ndarray, *, seed: Sequence[int] | int | None = None) -> Payload:
-        return Payload(self.name, {"n": int(x.size)}, {"values": x.reshape(-1)})
+    def compress(self, x: Any, *, seed: Sequence[int] | int | None = None) -> Payload:
+        return Payload(self.name, {"n": size(x)}, {"values": flat(x)})
 
     def max_nbytes(self, n: int, dtype: str = "float32") -> int:
         return payload_nbytes(self.name, {"n": n}, [("values", dtype, n)])
@@ -39,16 +40,20 @@ class NoneCompressor(Compressor):
         need_out(add, out, self.name)
         check_codec(payload, self.name)
         values = payload.buffers.get("values")
-        if values is None or payload.header.get("n") != values.size:
+        if values is None or payload.header.get("n") != size(values):
             raise PayloadError("none payload: 'values' missing or of the wrong length")
-        if values.dtype.name not in _FLOATS:
-            raise PayloadError(f"none payload: values of dtype {values.dtype.name}, "
-                               f"expected one of {', '.join(_FLOATS)}")
+        dt = dtype_name(values)
+        if dt not in _FLOATS:
+            raise PayloadError(f"none payload: values of dtype {dt}, expected one of "
+                               f"{', '.join(_FLOATS)}")
         if out is None:
-            return values.copy()
-        out = make_out(out, values.size, values.dtype)
+            out = empty_like_kind(values, size(values), dt)
+            assign(out, values)
+            return out
+        values = payload.to(out).buffers["values"]
+        out = make_out(out, size(values), np.dtype(dt))
         if add:
-            np.add(values, out, out=out)
+            out += values                       # IEEE addition commutes
         else:
-            out[...] = values
+            assign(out, values)
         return out

@@ -15,13 +15,14 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
 from . import _kernels
-from .base import (Compressor, Payload, Reader, as_float32, as_input, compose, dtype_code,
-                   fused_kernels, make_out, need_out, payload_nbytes, reuse)
+from .._array import dtype_name, size
+from .base import (Compressor, Payload, Reader, as_float32, dtype_code, make_out, need_out,
+                   payload_nbytes, reuse)
 from .int8 import MAX_BUCKET, bucket_option
 from ..errors import PayloadError
 
@@ -38,34 +39,24 @@ class OneBitCompressor(Compressor):
     def get_config(self) -> dict[str, Any]:
         return {"bucket_size": self.bucket_size}
 
-    def compress(self, x: np.ndarray, *, seed: Sequence[int] | int | None = None,
-                 out: Payload | None = None, residual: np.ndarray | None = None,
-                 decoded: np.ndarray | None = None) -> Payload:
-        """Encode ``x``; with ``residual`` e, encode ``y = x + e`` and leave ``e = y −
-        decode``; with ``decoded``, leave ``decode`` there (may be ``x``): one fused pass
-        (:func:`~gradcomm.compressors.base.compose` defines the bytes)."""
-        x = as_input(x, self.name)
-        fk = None
-        if residual is not None or decoded is not None:
-            fk = fused_kernels(x, residual, decoded, self.name)
-            if fk is None:
-                return compose(self, x, seed, out, residual, decoded)
-        n, bs = x.size, self.bucket_size
+    def _encode(self, x: Any, seed: Any, out: Payload | None, fk: Any, residual: Any,
+                decoded: Any) -> Payload:
+        n, bs = size(x), self.bucket_size
         nb = -(-n // bs)
-        pos, neg = reuse(out, "pos", np.float32, nb), reuse(out, "neg", np.float32, nb)
-        q = reuse(out, "q", np.uint8, (n + 7) // 8)
+        pos, neg = reuse(out, "pos", np.float32, nb, x), reuse(out, "neg", np.float32, nb, x)
+        q = reuse(out, "q", np.uint8, (n + 7) // 8, x)
         if fk is not None:
             fk.fused("onebit", x, (bs, pos, neg, q), residual, decoded)
         else:
-            _kernels.for_size(n).onebit_encode(as_float32(x), bs, pos, neg, q)
-        return Payload(self.name, {"n": n, "dt": dtype_code(x.dtype), "bs": bs},
+            _kernels.for_array(x).onebit_encode(as_float32(x), bs, pos, neg, q)
+        return Payload(self.name, {"n": n, "dt": dtype_code(dtype_name(x)), "bs": bs},
                        {"pos": pos, "neg": neg, "q": q})
 
     def decompress(self, payload: Payload, out: np.ndarray | None = None,
                    add: bool = False) -> np.ndarray:
         """Decode into ``out`` (new if None); ``add``: ``out = decoded + out``."""
         need_out(add, out, self.name)
-        r = Reader(payload, self.name, ("n", "dt", "bs"), ("pos", "neg", "q"))
+        r = Reader(payload, self.name, ("n", "dt", "bs"), ("pos", "neg", "q"), out)
         dt, bs = r.dtype(), r.int("bs", 8, MAX_BUCKET)
         if bs % 8:
             raise PayloadError(f"onebit payload: bucket size {bs} is not a multiple of 8")
@@ -73,8 +64,8 @@ class OneBitCompressor(Compressor):
         q = r.buffer("q", "uint8", (n + 7) // 8)
         nb = -(-n // bs)
         pos, neg = r.buffer("pos", "float32", nb), r.buffer("neg", "float32", nb)
-        out = make_out(out, n, dt)
-        k = _kernels.for_size(n)
+        out = make_out(out, n, dt, like=r.like)
+        k = _kernels.for_array(out)
         tmp = _kernels.f32_target(out)
         k.onebit_decode(q, n, bs, pos, neg, tmp, add and tmp is out)
         return _kernels.f32_finish(tmp, out, k, add)

@@ -20,14 +20,14 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
 from . import _kernels
-from .base import (Compressor, Payload, Reader, as_float32, as_input, compose, dtype_code,
-                   fused_kernels, make_out, need_out, payload_nbytes, positive_int, reuse,
-                   seed_words)
+from .._array import dtype_name, size
+from .base import (Compressor, Payload, Reader, as_float32, dtype_code, make_out, need_out,
+                   payload_nbytes, positive_int, reuse, seed_words)
 from .int8 import MAX_BUCKET, bucket_option
 from ..errors import ConfigError, PayloadError
 
@@ -58,35 +58,25 @@ class QSGDCompressor(Compressor):
     def get_config(self) -> dict[str, Any]:
         return {"levels": self.levels, "bucket_size": self.bucket_size}
 
-    def compress(self, x: np.ndarray, *, seed: Sequence[int] | int | None = None,
-                 out: Payload | None = None, residual: np.ndarray | None = None,
-                 decoded: np.ndarray | None = None) -> Payload:
-        """Encode ``x``; with ``residual`` e, encode ``y = x + e`` and leave ``e = y −
-        decode``; with ``decoded``, leave ``decode`` there (may be ``x``): one fused pass
-        (:func:`~gradcomm.compressors.base.compose` defines the bytes)."""
-        x = as_input(x, self.name)
-        fk = None
-        if residual is not None or decoded is not None:
-            fk = fused_kernels(x, residual, decoded, self.name)
-            if fk is None:
-                return compose(self, x, seed, out, residual, decoded)
-        n, s, bs = x.size, self.levels, self.bucket_size
+    def _encode(self, x: Any, seed: Any, out: Payload | None, fk: Any, residual: Any,
+                decoded: Any) -> Payload:
+        n, s, bs = size(x), self.levels, self.bucket_size
         bits = code_bits(s)
-        norm = reuse(out, "norm", np.float32, -(-n // bs))
-        q = reuse(out, "q", np.uint8, (n * bits + 7) // 8)
+        norm = reuse(out, "norm", np.float32, -(-n // bs), x)
+        q = reuse(out, "q", np.uint8, (n * bits + 7) // 8, x)
         args = (bs, s, bits, True, seed_words(seed), norm, q)
         if fk is not None:
             fk.fused("signlevel", x, args, residual, decoded)
         else:
-            _kernels.for_size(n).signlevel_encode(as_float32(x), *args)
-        return Payload(self.name, {"n": n, "dt": dtype_code(x.dtype), "s": s, "bs": bs},
+            _kernels.for_array(x).signlevel_encode(as_float32(x), *args)
+        return Payload(self.name, {"n": n, "dt": dtype_code(dtype_name(x)), "s": s, "bs": bs},
                        {"norm": norm, "q": q})
 
     def decompress(self, payload: Payload, out: np.ndarray | None = None,
                    add: bool = False) -> np.ndarray:
         """Decode into ``out`` (new if None); ``add``: ``out = decoded + out``."""
         need_out(add, out, self.name)
-        r = Reader(payload, self.name, ("n", "dt", "s", "bs"), ("norm", "q"))
+        r = Reader(payload, self.name, ("n", "dt", "s", "bs"), ("norm", "q"), out)
         dt, s, bs = r.dtype(), r.int("s", 1, MAX_LEVELS), r.int("bs", 8, MAX_BUCKET)
         if bs % 8:
             raise PayloadError(f"qsgd payload: bucket size {bs} is not a multiple of 8")
@@ -94,8 +84,8 @@ class QSGDCompressor(Compressor):
         bits = code_bits(s)
         q = r.buffer("q", "uint8", (n * bits + 7) // 8)
         norm = r.buffer("norm", "float32", -(-n // bs))
-        out = make_out(out, n, dt)
-        k = _kernels.for_size(n)
+        out = make_out(out, n, dt, like=r.like)
+        k = _kernels.for_array(out)
         tmp = _kernels.f32_target(out)
         if k.signlevel_decode(q, n, bs, s, bits, norm, tmp, add and tmp is out):
             raise PayloadError(f"qsgd payload: a code's level exceeds s={s}")

@@ -23,6 +23,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import _kernels
+from .._array import assign, dtype_name, empty_like_kind, size
 from .base import (Compressor, Payload, Reader, as_input, dtype_code, fused_kernels, make_out,
                    need_out, payload_nbytes, reuse, seed_words)
 from .topk import k_of, k_options
@@ -49,7 +50,7 @@ class RandomKCompressor(Compressor):
 
     def indices(self, n: int, seed: Sequence[int] | int | None) -> np.ndarray:
         """The ascending positions ``compress`` keeps for ``n`` elements and ``seed``."""
-        return _kernels.for_size(n).randomk_indices(seed_words(seed), n, self.k_for(n))
+        return _kernels.for_size(n).randomk_indices(seed_words(seed), n, self.k_for(n), None)
 
     def compress(self, x: np.ndarray, *, seed: Sequence[int] | int | None = None,
                  out: Payload | None = None, residual: np.ndarray | None = None,
@@ -58,29 +59,31 @@ class RandomKCompressor(Compressor):
         into ``e``), leaving ``e = y − decode``; with ``decoded``, leave ``decode`` there
         (may be ``x``): the bytes of :func:`~gradcomm.compressors.base.compose`."""
         x = as_input(x, self.name)
-        n, key = x.size, seed_words(seed)
+        n, dt, key = size(x), dtype_name(x), seed_words(seed)
         if residual is not None or decoded is not None:
             fused_kernels(x, residual, decoded, self.name)          # validates
-        if residual is not None:
-            np.add(x, residual, out=residual)
-            x = residual
-        k = _kernels.for_size(n)
-        idx = k.randomk_indices(key, n, self.k_for(n))
-        v = reuse(out, "v", x.dtype, idx.size)
-        np.take(x, idx, out=v)
-        if idx.size and not k.all_finite(x):
-            v.fill(np.nan)
-        if residual is not None:
-            with np.errstate(invalid="ignore"):         # inf - inf: NaN, by design
+        with np.errstate(invalid="ignore", over="ignore"):      # inf - inf: NaN, by design
+            if residual is not None:
+                residual += x                                   # IEEE addition commutes
+                x = residual
+            k = _kernels.for_array(x)
+            idx = k.randomk_indices(key, n, self.k_for(n), x)
+            m = size(idx)
+            v = reuse(out, "v", dt, m, x)
+            assign(v, x[idx])
+            if m and not k.all_finite(x):
+                assign(v, float("nan"))
+            if residual is not None:
                 residual[idx] = residual[idx] - v
         if decoded is not None:
-            decoded.fill(0)
+            assign(decoded, 0)
             decoded[idx] = v
-        return Payload(self.name, {"n": n, "dt": dtype_code(x.dtype), "k": int(idx.size),
+        return Payload(self.name, {"n": n, "dt": dtype_code(dt), "k": m,
                                    "key": [int(w) for w in key]}, {"v": v})
 
-    def _read(self, payload: Payload) -> tuple[int, np.dtype, tuple[int, ...], np.ndarray]:
-        r = Reader(payload, self.name, ("n", "dt", "k", "key"), ("v",))
+    def _read(self, payload: Payload, out: Any = None
+              ) -> tuple[int, np.dtype, tuple[int, ...], np.ndarray]:
+        r = Reader(payload, self.name, ("n", "dt", "k", "key"), ("v",), out)
         dt = r.dtype()
         n = r.int("n", 0, 1 << 62)
         k = r.int("k", 0, n)
@@ -106,21 +109,26 @@ class RandomKCompressor(Compressor):
              ) -> np.ndarray:
         if not payloads:
             raise PayloadError(f"{self.name}: no payloads to decode")
-        parts = [self._read(p) for p in payloads]
+        parts = [self._read(p, out) for p in payloads]
         n, dt = parts[0][:2]
         if any(p[:2] != (n, dt) for p in parts):
             raise PayloadError(f"{self.name} payloads disagree on count or dtype: "
                                f"{sorted({(p[0], p[1].name) for p in parts})}")
-        out = make_out(out, n, dt, zero=not add)
-        k = _kernels.for_size(n)
-        groups: dict[tuple[tuple[int, ...], int], np.ndarray] = {}
-        for _, _, key, vals in parts:       # payloads with one key and k share positions
-            if vals.size:
-                acc = groups.get((key, vals.size))
-                groups[key, vals.size] = vals.copy() if acc is None else \
-                    np.add(acc, vals, out=acc)
-        for (key, size), vals in groups.items():
-            idx = k.randomk_indices(np.array(key, np.uint32), n, size)
+        out = make_out(out, n, dt, zero=not add, like=parts[0][3])
+        k = _kernels.for_array(out)
+        groups: dict[tuple[tuple[int, ...], int], Any] = {}
+        with np.errstate(invalid="ignore", over="ignore"):
+            for _, _, key, vals in parts:   # payloads with one key and k share positions
+                m = size(vals)
+                if m:
+                    acc = groups.get((key, m))
+                    if acc is None:
+                        groups[key, m] = acc = empty_like_kind(vals, m, dtype_name(vals))
+                        assign(acc, vals)
+                    else:
+                        acc += vals
+        for (key, m), vals in groups.items():
+            idx = k.randomk_indices(np.array(key, np.uint32), n, m, out)
             k.scatter(out, idx, vals, True)
         return out
 

@@ -26,6 +26,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import _kernels
+from .._array import assign, cast, dtype_name, size
 from .base import (Compressor, Payload, Reader, as_input, dtype_code, fused_kernels, make_out,
                    need_out, payload_nbytes, reuse)
 from ..errors import ConfigError, PayloadError
@@ -84,29 +85,31 @@ class TopKCompressor(Compressor):
         ``decoded``, leave ``decode`` there (may be ``x``): the bytes of
         :func:`~gradcomm.compressors.base.compose`, with no decoding pass."""
         x = as_input(x, self.name)
-        n = x.size
+        n, dt = size(x), dtype_name(x)
         if residual is not None or decoded is not None:
             fused_kernels(x, residual, decoded, self.name)          # validates
-        if residual is not None:
-            np.add(x, residual, out=residual)
-            x = residual
-        idx, vals = _kernels.for_size(n).topk_select(x, self.k_for(n))
-        i, v = reuse(out, "i", index_dtype(n), idx.size), reuse(out, "v", x.dtype, idx.size)
-        i[...] = idx
-        v[...] = vals
-        if residual is not None:
-            with np.errstate(invalid="ignore"):         # inf - inf: NaN, by design
+        with np.errstate(invalid="ignore", over="ignore"):      # inf - inf: NaN, by design
+            if residual is not None:
+                residual += x                                   # IEEE addition commutes
+                x = residual
+            idx, vals = _kernels.for_array(x).topk_select(x, self.k_for(n))
+            m = size(idx)
+            i, v = reuse(out, "i", index_dtype(n), m, x), reuse(out, "v", dt, m, x)
+            assign(i, cast(idx, index_dtype(n)))
+            assign(v, vals)
+            if residual is not None:
                 residual[idx] = residual[idx] - v
         if decoded is not None:
-            decoded.fill(0)
+            assign(decoded, 0)
             decoded[idx] = v
-        return Payload(self.name, {"n": n, "dt": dtype_code(x.dtype), "k": int(idx.size)},
-                       {"i": i, "v": v})
+        return Payload(self.name, {"n": n, "dt": dtype_code(dt), "k": m}, {"i": i, "v": v})
 
-    def to_sparse(self, payload: Payload) -> tuple[int, np.dtype, np.ndarray, np.ndarray]:
+    def to_sparse(self, payload: Payload, out: Any = None
+                  ) -> tuple[int, np.dtype, np.ndarray, np.ndarray]:
         """``(n, dtype, indices, values)`` of a validated payload (indices not yet range
-        checked: :meth:`decompress` and :meth:`decompress_sum` check them as they scatter)."""
-        r = Reader(payload, self.name, ("n", "dt", "k"), ("i", "v"))
+        checked: :meth:`decompress` and :meth:`decompress_sum` check them as they scatter);
+        the buffers are where ``out`` is (default: where the payload's are)."""
+        r = Reader(payload, self.name, ("n", "dt", "k"), ("i", "v"), out)
         dt = r.dtype()
         n = r.int("n", 0, 1 << 62)
         k = r.int("k", 0, n)
@@ -127,13 +130,13 @@ class TopKCompressor(Compressor):
              ) -> np.ndarray:
         if not payloads:
             raise PayloadError(f"{self.name}: no payloads to decode")
-        parts = [self.to_sparse(p) for p in payloads]
+        parts = [self.to_sparse(p, out) for p in payloads]
         n, dt = parts[0][:2]
         if any(p[:2] != (n, dt) for p in parts):
             raise PayloadError(f"{self.name} payloads disagree on count or dtype: "
                                f"{sorted({(p[0], p[1].name) for p in parts})}")
-        out = make_out(out, n, dt, zero=not add)
-        k = _kernels.for_size(n)
+        out = make_out(out, n, dt, zero=not add, like=parts[0][3])
+        k = _kernels.for_array(out)
         for j, (_, _, idx, vals) in enumerate(parts):
             if k.scatter(out, idx, vals, add or j > 0):
                 raise PayloadError(f"{self.name} payload: indices out of 0..{n - 1} or not "

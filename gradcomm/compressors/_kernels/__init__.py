@@ -1,4 +1,5 @@
-"""Codec kernels: a pure-numpy path that is always correct and a numba path that is fast.
+"""Codec kernels: a pure-numpy path that is always correct, a numba path that is fast, and
+an array-generic path (``xp``) that runs on cupy and torch arrays, CPU or CUDA.
 
 Both implement the same functions with the same floating-point operations in the same
 order, so they produce identical bytes (tested). :func:`get` returns the numba module when
@@ -9,6 +10,12 @@ numpy path: they gain nothing from compiled code, and a process that only ever c
 small arrays (tests, small models) never pays numba's one-time compilation (tens of
 seconds on a cold cache). numba is imported on first use, not when gradcomm is imported;
 compiled kernels are cached on disk (``cache=True``).
+
+:func:`for_array` is what codecs call: numpy arrays get :func:`for_size`'s module; cupy
+arrays and torch tensors get :mod:`._xp`, written once against the array API (through
+``array_api_compat``), so codecs run where the data is with the same bytes as the numpy
+path (tested on numpy and torch CPU; a GPU runs the same code). ``GRADCOMM_KERNELS=xp``
+sends numpy arrays through it too (the tests do, to cover it with every codec).
 
 Example:
     >>> k = get("numpy")
@@ -41,21 +48,56 @@ def _load(name: str) -> ModuleType | None:
 
 
 def available() -> tuple[str, ...]:
-    """Kernel paths usable here (``numpy`` always)."""
-    return tuple(n for n in ("numba", "numpy") if _load(n) is not None)
+    """Kernel paths usable here (``numpy`` always; ``xp`` with array-api-compat)."""
+    names = tuple(n for n in ("numba", "numpy") if _load(n) is not None)
+    return names + (("xp",) if _xp_usable() else ())
+
+
+def _xp_usable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("array_api_compat") is not None and \
+        _load("xp") is not None
 
 
 def get(name: str | None = None) -> ModuleType:
-    """The kernel module ``name`` ("numpy", "numba", or None/"auto" for the best one)."""
+    """The kernel module ``name`` ("numpy", "numba", "xp", or None/"auto" for the best
+    one)."""
     name = name or os.environ.get("GRADCOMM_KERNELS", "auto") or "auto"
     if name == "auto":
         return _load("numba") or _load("numpy")
-    if name not in ("numpy", "numba"):
-        raise ConfigError(f"kernel path must be 'numpy', 'numba' or 'auto', got {name!r}")
+    if name not in ("numpy", "numba", "xp"):
+        raise ConfigError(f"kernel path must be 'numpy', 'numba', 'xp' or 'auto', got "
+                          f"{name!r}")
+    if name == "xp":
+        return _xp_module()
     mod = _load(name)
     if mod is None:
         raise ConfigError(f"kernel path {name!r} is not available (install gradcomm[fast])")
     return mod
+
+
+def _xp_module() -> ModuleType:
+    if not _xp_usable():
+        raise ConfigError("codecs on cupy arrays and torch tensors need array-api-compat "
+                          "(pip install 'gradcomm[torch]' or 'gradcomm[gpu]')")
+    return _load("xp")  # type: ignore[return-value]
+
+
+def for_array(a) -> ModuleType:
+    """The kernel module for array ``a``: :func:`for_size` for numpy, :mod:`._xp` for cupy
+    arrays and torch tensors (any device).
+
+    Example:
+        >>> import numpy as np
+        >>> for_array(np.zeros(3)).NAME in ("numpy", "xp")
+        True
+    """
+    import numpy as np
+
+    if isinstance(a, np.ndarray):
+        return for_size(a.size)
+    return _xp_module()
 
 
 def for_size(n: int) -> ModuleType:
@@ -67,26 +109,32 @@ def for_size(n: int) -> ModuleType:
 
 
 def f32_target(out):
-    """Where a float32 kernel writes a result meant for ``out`` (``out`` itself if float32)."""
-    import numpy as np
-    return out if out.dtype == np.float32 else np.empty(out.size, np.float32)
+    """Where a float32 kernel writes a result meant for ``out`` (``out`` itself if
+    float32), any array kind."""
+    from ... import _array
+    if _array.dtype_name(out) == "float32":
+        return out
+    return _array.empty_like_kind(out, _array.size(out), "float32")
 
 
 def f32_finish(tmp, out, k: ModuleType, add: bool = False):
     """Round the float32 ``tmp`` into ``out`` (float16 through ``k``'s canonical cast);
     with ``add``, ``out = rounded + out`` instead (a float32 ``out`` is the kernel's own
-    target: its kernel already added)."""
+    target: its kernel already added). Any array kind."""
     import numpy as np
+
+    from ... import _array
     if tmp is not out:
-        if out.dtype == np.float16:
+        if _array.dtype_name(out) == "float16":
             if add:
-                h = np.empty(out.size, np.uint16)
+                h = _array.empty_like_kind(out, _array.size(out), "uint16")
                 k.f32_to_f16(tmp, h)
-                np.add(h.view(np.float16), out, out=out)
+                out += _array.bitcast(h, "float16")     # IEEE addition commutes
             else:
-                k.f32_to_f16(tmp, out.view(np.uint16))
+                k.f32_to_f16(tmp, _array.bitcast(out, "uint16"))
         elif add:
-            np.add(tmp, out, out=out)
+            with np.errstate(invalid="ignore", over="ignore"):
+                out += tmp
         else:
-            out[...] = tmp
+            _array.assign(out, tmp)
     return out

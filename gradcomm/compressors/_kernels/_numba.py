@@ -1197,7 +1197,7 @@ def _bitmap_indices(bitmap, n, want, out):
     return o
 
 
-def randomk_indices(key: np.ndarray, n: int, k: int) -> np.ndarray:
+def randomk_indices(key: np.ndarray, n: int, k: int, like: object = None) -> np.ndarray:
     k = min(k, n)
     if k == n:
         return np.arange(n, dtype=np.int64)

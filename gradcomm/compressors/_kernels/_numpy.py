@@ -512,8 +512,9 @@ def scatter(out: np.ndarray, idx: np.ndarray, vals: np.ndarray, add: bool) -> in
     return 0
 
 
-def randomk_indices(key: np.ndarray, n: int, k: int) -> np.ndarray:
-    """The ``k`` of ``range(n)`` that random-k keeps, ascending (int64).
+def randomk_indices(key: np.ndarray, n: int, k: int, like: object = None) -> np.ndarray:
+    """The ``k`` of ``range(n)`` that random-k keeps, ascending (int64). (``like``, where
+    the device kernels put the indices, is ignored: here they are host arrays.)
 
     Draw ``j`` is ``floor(u_j * n / 2^64)`` (``u_j mod n`` for n >= 2^32) with ``u_j`` the
     little-endian pair of stream words ``2j, 2j+1``; with ``m = min(k, n - k)`` the first

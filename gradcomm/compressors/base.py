@@ -242,7 +242,9 @@ class Compressor(ABC):
         """Sum of the decoded payloads (codecs override this with fused kernels)."""
         total = self.decompress(payloads[0], out)
         for p in payloads[1:]:
-            total += self.decompress(p)
+            part = _array.empty_like_kind(total, _array.size(total), _array.dtype_name(total))
+            with np.errstate(invalid="ignore", over="ignore"):
+                total += self.decompress(p, out=part)
         return total
 
     def __repr__(self) -> str:
@@ -429,7 +431,7 @@ def make_out(out: Any, n: int, dtype: np.dtype, zero: bool = False, like: Any = 
             raise PayloadError(f"payload decodes to {name}[{n}], out is "
                                f"{_array.dtype_name(out)}[{_array.size(out)}] (or not "
                                "contiguous)")
-        out = _array.flat(out)
+        out = out if len(out.shape) == 1 else _array.flat(out)
         if zero:
             _array.assign(out, 0)
         return out

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from gradcomm import _array
+from tests._devices import KINDS, on
 from tests.compressors.test_kernels import nasty, specials
 
 torch = pytest.importorskip("torch")
@@ -25,31 +26,6 @@ KEY = np.array([0x01234567, 0x89ABCDEF, 7, 0xFFFFFFFF], np.uint32)
 COUNTS = (0, 1, 7, 8, 9, 63, 64, 65, 1000, 4099)
 
 
-def _cupy_usable() -> bool:
-    return _array.cuda_usable("cupy")
-
-
-def _ref(backend: str):
-    """An array of the backend's kind and device (what converted inputs are made like)."""
-    if backend == "numpy":
-        return np.zeros(1)
-    if backend == "torch":
-        return torch.zeros(1)
-    if backend == "torch-cuda":
-        return torch.zeros(1, device="cuda")
-    import cupy
-    return cupy.zeros(1)
-
-
-BACKENDS = [
-    "numpy", "torch",
-    pytest.param("torch-cuda", marks=pytest.mark.skipif(
-        not _array.cuda_usable("torch"), reason="torch CUDA not usable")),
-    pytest.param("cupy", marks=pytest.mark.skipif(
-        not _cupy_usable(), reason="cupy CUDA not usable")),
-]
-
-
 @pytest.fixture(autouse=True, scope="module")
 def _one_torch_thread():
     """Element-wise torch ops on ~1e5 elements: threads only wait for each other here."""
@@ -59,11 +35,10 @@ def _one_torch_thread():
     torch.set_num_threads(before)
 
 
-@pytest.fixture(params=BACKENDS)
+@pytest.fixture(params=KINDS)
 def to(request):
-    """Host numpy -> a fresh array of the backend's kind (never sharing the source)."""
-    ref = _ref(request.param)
-    return lambda a: _array.like(np.array(a, copy=True), ref)
+    """Host numpy -> a fresh array of the kind (never sharing the source)."""
+    return lambda a: on(request.param, a)
 
 
 def same(dev, ref: np.ndarray, loose: np.ndarray | None = None) -> bool:

@@ -13,38 +13,13 @@ import pytest
 from gradcomm import _array
 from gradcomm.compressors._kernels import _numpy as NP
 from gradcomm.compressors._kernels import _xp_select as XS
+from tests._devices import KINDS, on, ref
 
 torch = pytest.importorskip("torch")
 
 COUNTS = (0, 1, 7, 64, 1000, 4099, 300_007)
 DTYPES = ("float16", "float32", "float64")
 KEY = np.array([0x01234567, 0x89ABCDEF, 7, 0xFFFFFFFF], np.uint32)
-
-
-def _ref(kind: str):
-    if kind == "numpy":
-        return np.zeros(1)
-    if kind == "torch-cpu":
-        return torch.zeros(1)
-    if kind == "torch-cuda":
-        return torch.zeros(1, device="cuda")
-    import cupy
-
-    return cupy.zeros(1)
-
-
-KINDS = [
-    "numpy", "torch-cpu",
-    pytest.param("torch-cuda", marks=pytest.mark.skipif(
-        not _array.cuda_usable("torch"), reason="no usable CUDA device through torch")),
-    pytest.param("cupy", marks=pytest.mark.skipif(
-        not _array.cuda_usable("cupy"), reason="no usable CUDA device through cupy")),
-]
-
-
-def on(kind: str, a: np.ndarray):
-    """A fresh copy of host ``a`` as an array of ``kind``."""
-    return _array.like(np.array(a, copy=True), _ref(kind))
 
 
 def same(got, want: np.ndarray) -> bool:
@@ -224,7 +199,7 @@ def _need_xp() -> None:
 @pytest.mark.parametrize("kind", KINDS)
 def test_randomk_indices_match_reference(kind: str) -> None:
     _need_xp()
-    like = _ref(kind)
+    like = ref(kind)
     for seed, key in enumerate((KEY, np.array([1, 2, 3, 4], np.uint32))):
         for n in COUNTS[:-1] + (65_537,):
             for k in ks(n):
@@ -240,7 +215,7 @@ def test_randomk_indices_match_reference(kind: str) -> None:
 def test_randomk_indices_large_n(kind: str) -> None:
     """n up to 2^31 - 1 and beyond 2^32 (only the k <= n/2 branch: no n-sized arrays)."""
     _need_xp()
-    like = _ref(kind)
+    like = ref(kind)
     for n in (2**31 - 1, 2**32 - 1, 2**32, 2**32 + 5, 2**40 + 3, 2**62):
         for k in (1, 5, 1000):
             want = NP.randomk_indices(KEY, n, k)
@@ -251,7 +226,7 @@ def test_randomk_indices_large_n(kind: str) -> None:
 def test_randomk_indices_many_repeats(kind: str) -> None:
     """Small n with m close to n/2: many repeated draws and more than one batch."""
     _need_xp()
-    like = _ref(kind)
+    like = ref(kind)
     for n in (2, 3, 5, 9, 100, 129):
         for k in range(n + 1):
             want = NP.randomk_indices(KEY, n, k)

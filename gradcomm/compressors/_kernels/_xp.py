@@ -26,7 +26,6 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
@@ -34,6 +33,7 @@ import array_api_compat
 import numpy as np
 
 from ... import _array
+from ._numpy import _quiet
 
 NAME = "xp"
 FUSED = False
@@ -51,13 +51,6 @@ _CHUNK_GPU, _CHUNK_CPU = 1 << 24, 1 << 20
 _BLOCKS = 1 << 22
 
 
-def _quiet(fn):
-    """Run ``fn`` without numpy's floating-point warnings (no effect on torch or cupy)."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        with np.errstate(all="ignore"):
-            return fn(*args, **kwargs)
-    return wrapper
 
 
 # --- helpers ------------------------------------------------------------------------------

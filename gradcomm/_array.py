@@ -667,6 +667,42 @@ def divide_(a: Any, p: int) -> None:
         a /= a.dtype.type(p)
 
 
+def subtract(a: Any, b: Any, out: Any) -> None:
+    """``out = a - b`` elementwise, written into ``out`` (all three flat, of one kind,
+    dtype and device).
+
+    Example:
+        >>> import numpy as np
+        >>> o = np.empty(2, np.float32)
+        >>> subtract(np.array([3, 1], np.float32), np.array([1, 1], np.float32), o)
+        >>> o.tolist()
+        [2.0, 0.0]
+    """
+    if isinstance(out, np.ndarray):
+        np.subtract(a, b, out=out)
+    elif kind(out) == "torch":
+        import torch
+
+        torch.sub(a, b, out=out)
+    else:
+        import cupy
+
+        cupy.subtract(a, b, out=out)
+
+
+def clone(a: Any) -> Any:
+    """A fresh copy of ``a``: same kind, dtype, shape and device, never aliased.
+
+    Example:
+        >>> import numpy as np
+        >>> a = np.zeros(2); b = clone(a); b[0] = 1; a.tolist(), b.tolist()
+        ([0.0, 0.0], [1.0, 0.0])
+    """
+    if kind(a) == "torch":
+        return a.detach().clone()
+    return a.copy()
+
+
 #: ``GRADCOMM_CODEC_PLACEMENT``: "auto" (codecs run on the device for CUDA arrays, on the
 #: host otherwise) or "array" (codecs run on every non-numpy array where it lives, torch
 #: CPU tensors included: the device route on a machine without a GPU, used by the tests)

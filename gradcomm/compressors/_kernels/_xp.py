@@ -573,7 +573,6 @@ def onebit_decode(packed, n, bs, pos, neg, out, add=False) -> int:
     return 0
 
 
-try:                                     # topk / randomk kernels live next door
-    from ._xp_select import abs_keys, all_finite, randomk_indices, scatter, topk_select  # noqa: E402,F401
-except ImportError:                      # pragma: no cover - until that module exists
-    pass
+# the topk / randomk kernels live next door; this module is the whole kernel path
+from ._xp_select import (abs_keys, all_finite, randomk_indices, scatter,  # noqa: E402,F401
+                         topk_select)

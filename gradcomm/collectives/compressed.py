@@ -811,6 +811,9 @@ def _gathered(t: Transport, x: np.ndarray, codec: Compressor, sparse: bool, seed
             payloads.append(wire._payload(data, n))
         except PayloadError as exc:
             raise PayloadError(f"rank {r}'s payload: {exc}") from None
+    if wire.device:             # every payload to the device in one copy (8-byte aligned)
+        moved = _array.like(landing, x)
+        payloads = [pl.rebased(landing, moved) for pl in payloads]
     _decode_sum(wire, payloads, x)
 
 

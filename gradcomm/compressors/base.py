@@ -73,6 +73,28 @@ class Payload:
         return sum(b.nbytes if isinstance(b, np.ndarray) else _array.nbytes(b)
                    for b in self.buffers.values())
 
+    def rebased(self, src: np.ndarray, dst: Any) -> Payload:
+        """This payload with every buffer that is a view of host bytes ``src`` replaced by
+        the same bytes of ``dst`` (a flat uint8 copy of ``src``, e.g. on a device: one
+        copy moves many received payloads at once); other buffers are copied to where
+        ``dst`` is.
+
+        Example:
+            >>> raw = Payload("none", {"n": 2}, {"v": np.ones(2, np.float32)}).to_bytes()
+            >>> p = Payload.from_bytes(raw)
+            >>> q = p.rebased(raw, raw.copy()); q.buffers["v"].tolist()
+            [1.0, 1.0]
+        """
+        base, bufs = src.ctypes.data, {}
+        for k, b in self.buffers.items():
+            off = b.ctypes.data - base if isinstance(b, np.ndarray) else -1
+            if 0 <= off and off + b.nbytes <= src.size and off % b.itemsize == 0:
+                bufs[k] = _array.bitcast(dst[off:off + b.nbytes], b.dtype.name)
+            else:
+                bufs[k] = _array.like(np.ascontiguousarray(b), dst) if _array.is_host(b) \
+                    else b
+        return Payload(self.codec, self.header, bufs)
+
     def to(self, ref: Any) -> Payload:
         """This payload with its buffers where ``ref`` (an array) lives: host buffers are
         copied to ``ref``'s kind and device; buffers already there are kept.

@@ -538,7 +538,7 @@ class CompressedWire:
     def _decode(self, data: np.ndarray, dst: np.ndarray) -> None:
         """``dst[...] = decode(data)`` (contiguous ``dst``), validated: codec name, the
         announced count ``n`` and, in the codecs, everything else."""
-        self._decode_payload(self._payload(data, dst.size), dst)
+        self._decode_payload(self._payload(data, _array.size(dst)), dst)
 
     def _decode_payload(self, payload: Payload, dst: np.ndarray) -> None:
         try:

@@ -51,6 +51,17 @@ def bucket_option(value: Any, name: str = "bucket_size") -> int:
     return v
 
 
+class Bucketed(Compressor):
+    """A codec whose one option is ``bucket_size`` (a multiple of 8; each subclass names
+    its default in ``__init__``)."""
+
+    def __init__(self, bucket_size: int) -> None:
+        self.bucket_size = bucket_option(bucket_size)
+
+    def get_config(self) -> dict[str, Any]:
+        return {"bucket_size": self.bucket_size}
+
+
 class Int8Compressor(Compressor):
     """Uniform quantizer: per-bucket min/max levels, or symmetric levels of a shared scale."""
 

@@ -24,62 +24,38 @@ import numpy as np
 
 from . import _kernels
 from .._array import assign, dtype_name, empty_like_kind, size
-from .base import (Compressor, Payload, Reader, as_input, dtype_code, fused_kernels, make_out,
+from .base import (Payload, Reader, dtype_code, make_out,
                    need_out, payload_nbytes, reuse, seed_words)
-from .topk import k_of, k_options
+from .topk import KeepsK
 from ..errors import PayloadError
 
 _U32 = 0xFFFFFFFF
 
 
-class RandomKCompressor(Compressor):
+class RandomKCompressor(KeepsK):
     """Keeps ``k`` positions drawn from the (shared) seed."""
 
     name = "randomk"
     reduction = "summable"
     shared_seed = True
 
-    def __init__(self, ratio: float | None = None, k: int | None = None) -> None:
-        self.ratio, self.k = k_options(ratio, k)
-
-    def get_config(self) -> dict[str, Any]:
-        return {"ratio": self.ratio} if self.k is None else {"k": self.k}
-
-    def k_for(self, n: int) -> int:
-        return k_of(self.ratio, self.k, n)
-
     def indices(self, n: int, seed: Sequence[int] | int | None) -> np.ndarray:
         """The ascending positions ``compress`` keeps for ``n`` elements and ``seed``."""
         return _kernels.for_size(n).randomk_indices(seed_words(seed), n, self.k_for(n), None)
 
-    def compress(self, x: np.ndarray, *, seed: Sequence[int] | int | None = None,
-                 out: Payload | None = None, residual: np.ndarray | None = None,
-                 decoded: np.ndarray | None = None) -> Payload:
-        """Keep the seed's ``k`` positions; with ``residual`` e, of ``y = x + e`` (summed
-        into ``e``), leaving ``e = y − decode``; with ``decoded``, leave ``decode`` there
-        (may be ``x``): the bytes of :func:`~gradcomm.compressors.base.compose`."""
-        x = as_input(x, self.name)
-        n, dt, key = size(x), dtype_name(x), seed_words(seed)
-        if residual is not None or decoded is not None:
-            fused_kernels(x, residual, decoded, self.name)          # validates
-        with np.errstate(invalid="ignore", over="ignore"):      # inf - inf: NaN, by design
-            if residual is not None:
-                residual += x                                   # IEEE addition commutes
-                x = residual
-            k = _kernels.for_array(x)
-            idx = k.randomk_indices(key, n, self.k_for(n), x)
-            m = size(idx)
-            v = reuse(out, "v", dt, m, x)
-            assign(v, x[idx])
-            if m and not k.all_finite(x):
-                assign(v, float("nan"))
-            if residual is not None:
-                residual[idx] = residual[idx] - v
-        if decoded is not None:
-            assign(decoded, 0)
-            decoded[idx] = v
-        return Payload(self.name, {"n": n, "dt": dtype_code(dt), "k": m,
-                                   "key": [int(w) for w in key]}, {"v": v})
+    def _keep(self, x: Any, n: int, dt: str, seed: Any, out: Payload | None
+              ) -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
+        """The seed's ``k`` positions (all NaN values if ``x`` holds a non-finite one)."""
+        key = seed_words(seed)
+        k = _kernels.for_array(x)
+        idx = k.randomk_indices(key, n, self.k_for(n), x)
+        m = size(idx)
+        v = reuse(out, "v", dt, m, x)
+        assign(v, x[idx])
+        if m and not k.all_finite(x):
+            assign(v, float("nan"))
+        return idx, v, {"n": n, "dt": dtype_code(dt), "k": m,
+                        "key": [int(w) for w in key]}, {"v": v}
 
     def _read(self, payload: Payload, out: Any = None
               ) -> tuple[int, np.dtype, tuple[int, ...], np.ndarray]:

@@ -22,23 +22,20 @@ import numpy as np
 
 from . import _kernels
 from .._array import dtype_name, size
-from .base import (Compressor, Payload, Reader, as_float32, dtype_code, make_out, need_out,
+from .base import (Payload, Reader, as_float32, dtype_code, make_out, need_out,
                    payload_nbytes, reuse, seed_words)
-from .int8 import MAX_BUCKET, bucket_option
+from .int8 import MAX_BUCKET, Bucketed
 from ..errors import PayloadError
 
 
-class TernGradCompressor(Compressor):
+class TernGradCompressor(Bucketed):
     """Stochastic ternary {-1, 0, +1} times the bucket's largest magnitude."""
 
     name = "terngrad"
     reduction = "gathered"
 
     def __init__(self, bucket_size: int = 512) -> None:
-        self.bucket_size = bucket_option(bucket_size)
-
-    def get_config(self) -> dict[str, Any]:
-        return {"bucket_size": self.bucket_size}
+        super().__init__(bucket_size)
 
     def _encode(self, x: Any, seed: Any, out: Payload | None, fk: Any, residual: Any,
                 decoded: Any) -> Payload:

@@ -59,13 +59,9 @@ def index_dtype(n: int) -> str:
     return "int32" if n < 2 ** 31 else "int64"
 
 
-class TopKCompressor(Compressor):
-    """Keeps the ``k`` largest magnitudes."""
-
-    name = "topk"
-    reduction = "gathered"
-    #: decoded output is mostly zeros (collectives may use sparse_allgather)
-    sparse = True
+class KeepsK(Compressor):
+    """A codec that keeps ``k`` of ``n`` elements: options ``ratio=`` or ``k=``
+    (:func:`k_options`)."""
 
     def __init__(self, ratio: float | None = None, k: int | None = None) -> None:
         self.ratio, self.k = k_options(ratio, k)
@@ -77,32 +73,50 @@ class TopKCompressor(Compressor):
         """Elements kept out of ``n``."""
         return k_of(self.ratio, self.k, n)
 
-    def compress(self, x: np.ndarray, *, seed: Sequence[int] | int | None = None,
-                 out: Payload | None = None, residual: np.ndarray | None = None,
-                 decoded: np.ndarray | None = None) -> Payload:
-        """Select the top ``k``; with ``residual`` e, select from ``y = x + e`` (summed into
-        ``e``) and leave ``e = y − decode`` (y with the kept elements zeroed); with
-        ``decoded``, leave ``decode`` there (may be ``x``): the bytes of
-        :func:`~gradcomm.compressors.base.compose`, with no decoding pass."""
+    def compress(self, x: Any, *, seed: Sequence[int] | int | None = None,
+                 out: Payload | None = None, residual: Any = None,
+                 decoded: Any = None) -> Payload:
+        """Keep ``k`` elements (:meth:`_keep` says which); with ``residual`` e, of
+        ``y = x + e`` (summed into ``e``), leaving ``e = y − decode`` (y with the kept
+        elements zeroed); with ``decoded``, leave ``decode`` there (may be ``x``): the
+        bytes of :func:`~gradcomm.compressors.base.compose`, with no decoding pass."""
         x = as_input(x, self.name)
-        n, dt = size(x), dtype_name(x)
         if residual is not None or decoded is not None:
             fused_kernels(x, residual, decoded, self.name)          # validates
         with np.errstate(invalid="ignore", over="ignore"):      # inf - inf: NaN, by design
             if residual is not None:
                 residual += x                                   # IEEE addition commutes
                 x = residual
-            idx, vals = _kernels.for_array(x).topk_select(x, self.k_for(n))
-            m = size(idx)
-            i, v = reuse(out, "i", index_dtype(n), m, x), reuse(out, "v", dt, m, x)
-            assign(i, cast(idx, index_dtype(n)))
-            assign(v, vals)
+            idx, v, header, buffers = self._keep(x, size(x), dtype_name(x), seed, out)
             if residual is not None:
                 residual[idx] = residual[idx] - v
         if decoded is not None:
             assign(decoded, 0)
             decoded[idx] = v
-        return Payload(self.name, {"n": n, "dt": dtype_code(dt), "k": m}, {"i": i, "v": v})
+        return Payload(self.name, header, buffers)
+
+    def _keep(self, x: Any, n: int, dt: str, seed: Any, out: Payload | None
+              ) -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
+        """(kept indices, kept values, payload header, payload buffers) of flat ``x``."""
+        raise NotImplementedError
+
+
+class TopKCompressor(KeepsK):
+    """Keeps the ``k`` largest magnitudes."""
+
+    name = "topk"
+    reduction = "gathered"
+    #: decoded output is mostly zeros (collectives may use sparse_allgather)
+    sparse = True
+
+    def _keep(self, x: Any, n: int, dt: str, seed: Any, out: Payload | None
+              ) -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
+        idx, vals = _kernels.for_array(x).topk_select(x, self.k_for(n))
+        m = size(idx)
+        i, v = reuse(out, "i", index_dtype(n), m, x), reuse(out, "v", dt, m, x)
+        assign(i, cast(idx, index_dtype(n)))
+        assign(v, vals)
+        return idx, v, {"n": n, "dt": dtype_code(dt), "k": m}, {"i": i, "v": v}
 
     def to_sparse(self, payload: Payload, out: Any = None
                   ) -> tuple[int, np.dtype, np.ndarray, np.ndarray]:

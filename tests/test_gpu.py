@@ -237,7 +237,7 @@ def test_wrap_accepts_device_arrays_under_mpirun(place):
         assert out["float16"] == [2.0] * 7
         assert out.get("bfloat16", [4.0] * 3) == [4.0] * 3
         assert out["gradcomm_bytes"] > 0
-        assert out["compressed"] == [3.0] and out["compressed_route"] == "staged"
+        assert out["compressed"] == [3.0] and out["compressed_route"] == "device"
         assert out["where"][1].startswith("cuda")
 
 
@@ -285,7 +285,7 @@ def test_byte_copies_between_any_array_and_host(place):
 def test_wrap_routes_and_reduces_every_array_kind_on_comm_self(place):
     """On one rank nothing crosses MPI, so claiming a CUDA-aware MPI is safe anywhere:
     host memory is reduced in place; device memory directly where the transport moves
-    device buffers (and cupy runs), else staged; compressed sums staged. Both routes
+    device buffers (and cupy runs), else staged; compressed sums on the device. Both routes
     write the user's arrays in place (IN_PLACE, send/recv, ``[buf, count, type]``)."""
     from tests._launch import require_mpi
 
@@ -306,13 +306,13 @@ def test_wrap_routes_and_reduces_every_array_kind_on_comm_self(place):
     cc = wrap(MPI.COMM_SELF, compressor="fp16")
     cc.gradcomm_transport.devices = frozenset({"cpu", "cuda"})
     assert cc._gradcomm_route(*_plan(MPI, cc, MPI.IN_PLACE, x, MPI.SUM)) == \
-        ("staged" if device else "direct")
+        ("device" if device else "direct")
     assert _plan(MPI, comm, MPI.IN_PLACE, make(place, np.ones((2, 3)), "float32").T,
                  MPI.SUM) is None                            # non-contiguous: MPI's own
     for c in (comm, cc):
         for route in (None, "direct", "staged"):
             if route == "direct" and device and (not CUPY or c is cc):
-                continue                    # never chosen: compressed sums are staged
+                continue                    # never chosen: compressed: "device"
             y = make(place, np.arange(6.0) + 1, "float32")
             c._gradcomm_allreduce(MPI.IN_PLACE, y, MPI.SUM, route=route)
             assert host(y).tolist() == (np.arange(6.0) + 1).tolist()
@@ -427,3 +427,15 @@ def test_gpu_check_script_runs_here(tmp_path, capsys):
         names = {r["codec"] for r in res["codecs"] if "ms" in r}
         assert {"d2d copy", "wrap staging"} <= names
     assert "environment:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("place", PLACES[2:])    # torch CPU: tests/integrations/test_mpi_device.py
+def test_compressed_wrap_on_device_arrays_gives_the_host_bytes(place):
+    """wrap(COMM_WORLD).Allreduce with int8 / topk / fp16 (gather and per-hop routes) on
+    CUDA arrays at 2 MPI ranks: codecs on the device (route "device"), results written
+    into the user's device memory with the bytes the host path gives the same values."""
+    from tests._launch import mpi_call, require_mpi
+    from tests.integrations.test_mpi_device import check_results, compressed_wrap_on_the_device
+
+    require_mpi()
+    check_results(mpi_call(compressed_wrap_on_the_device, 2, place, timeout=100), place)

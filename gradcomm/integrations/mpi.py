@@ -14,11 +14,16 @@ MPI call that takes a communicator keeps working. Only ``Allreduce`` is gradcomm
 - with ``compressor=`` the sums of floating-point buffers go through the compressed
   allreduce (stateless: no error feedback; use :class:`gradcomm.Allreduce` for that);
   max/min/prod and integer buffers stay exact (dense);
-- device arrays (cupy, torch CUDA; contiguous) are reduced where they are when the MPI is
-  CUDA-aware (``"cuda" in transport.devices``) and the sum is not compressed; otherwise
-  they are staged: copied to host memory after the producing stream is synchronised,
-  reduced there, and the result copied back into the receive buffer before ``Allreduce``
-  returns (an MPI that is not CUDA-aware would fault on a device pointer);
+- compressed sums of device arrays (cupy, torch CUDA; contiguous) run their codecs on the
+  device, in the buffers' own library, as :func:`gradcomm.allreduce` does (route
+  "device"; only payloads cross to the host): the result is written into the receive
+  buffer's memory, with the same bytes as a host array would get.
+  ``GRADCOMM_CODEC_PLACEMENT=array`` sends torch CPU tensors this way too (tests);
+- other device-array reductions happen where the arrays are when the MPI is CUDA-aware
+  (``"cuda" in transport.devices``); otherwise they are staged: copied to host memory after
+  the producing stream is synchronised, reduced there, and the result copied back into the
+  receive buffer before ``Allreduce`` returns (an MPI that is not CUDA-aware would fault
+  on a device pointer);
 - anything else (user-defined ops, derived datatypes, ``MPI.BYTE``, vector buffer specs,
   non-contiguous device arrays, intercommunicators) goes to the wrapped communicator's own
   ``Allreduce``, so a program never breaks by being wrapped.
@@ -52,7 +57,7 @@ from ..errors import ConfigError
 _HANDLED = frozenset({"float16", "bfloat16", "float32", "float64", "int8", "int16", "int32",
                       "int64", "uint8", "uint16", "uint32", "uint64"})
 _OPS = (("SUM", "sum"), ("MAX", "max"), ("MIN", "min"), ("PROD", "prod"))
-#: where staged and compressed sums work: codecs run on host memory
+#: where staged sums work, and compressed sums of arrays whose codecs run on the host
 _HOST = frozenset({"cpu"})
 
 
@@ -91,8 +96,8 @@ class GradcommComm:
 
     def _gradcomm_allreduce(self, sendbuf: Any, recvbuf: Any, op: Any = None,
                             route: str | None = None) -> None:
-        """:meth:`Allreduce`; ``route`` ("direct" or "staged") overrides the choice of
-        :meth:`_gradcomm_route` (tests stage host arrays through the same code)."""
+        """:meth:`Allreduce`; ``route`` ("direct", "device" or "staged") overrides the
+        choice of :meth:`_gradcomm_route` (tests stage host arrays through the same code)."""
         from mpi4py import MPI
 
         if op is None:
@@ -101,24 +106,33 @@ class GradcommComm:
         if plan is None:
             return self._gradcomm_base.Allreduce(self, sendbuf, recvbuf, op)
         send, recv, dtype, opname = plan
-        if (route or self._gradcomm_route(send, recv, dtype, opname)) == "staged":
+        route = route or self._gradcomm_route(send, recv, dtype, opname)
+        if route == "staged":
             self._gradcomm_staged(send, recv, dtype, opname)
             return None
         if recv.view is None:                      # device memory: its producer is done
             for b in (recv,) if send is None else (send, recv):
                 _array.sync(b.obj)
-        rview = _direct_view(recv, dtype)
+        view = _native_view if route == "device" else _direct_view
+        rview = view(recv, dtype)
         if send is not None and send.count:
-            rview[...] = _direct_view(send, dtype)
+            _array.assign(rview, view(send, dtype))
         self._gradcomm_reduce(rview, dtype, opname)
         _array.sync(rview)                         # device results complete on return
         return None
 
     def _gradcomm_route(self, send: _Buf | None, recv: _Buf, dtype: str, op: str) -> str:
-        """"direct" when gradcomm can reduce in the buffers' own memory: host memory, or
-        device memory that the transport moves (CUDA-aware MPI) for a sum that is not
-        compressed; else "staged" through host memory."""
+        """"device" for a compressed sum whose codecs run where the buffers are
+        (:func:`_array.codec_placement`); "direct" when gradcomm can reduce in the
+        buffers' own memory: host memory, or device memory that the transport moves
+        (CUDA-aware MPI) for a sum that is not compressed; else "staged" through host
+        memory."""
         sides = (recv,) if send is None else (send, recv)
+        if self._gradcomm_compresses(dtype, op):
+            metas = [_array.meta_of(b.obj) for b in sides]
+            if len({(m.kind, m.device) for m in metas}) == 1 and \
+                    _array.codec_placement(metas[0]) == "device":
+                return "device"
         if all(b.view is not None for b in sides):
             return "direct"
         devices = _HOST if self._gradcomm_compresses(dtype, op) else \
@@ -141,7 +155,7 @@ class GradcommComm:
         return self.gradcomm_options["compressor"] is not None and op == "sum" and \
             dtype in FLOATS
 
-    def _gradcomm_reduce(self, buf: np.ndarray, dtype: str, op: str) -> None:
+    def _gradcomm_reduce(self, buf: Any, dtype: str, op: str) -> None:
         from ..collectives import DENSE, dense_allreduce
 
         opts = self.gradcomm_options
@@ -154,7 +168,7 @@ class GradcommComm:
                                        compressor=compressor, check=opts["check"],
                                        seed=opts["seed"], **opts["options"])
             if out is not buf:
-                buf[...] = out
+                _array.assign(buf, out)
             return
         if algorithm not in DENSE:                 # compressed-only names, e.g. allgather
             algorithm = "auto"
@@ -331,6 +345,14 @@ def _direct_view(buf: _Buf, dtype: str) -> Any:
     if buf.count == 0:                             # nothing to move: skip the DLPack view
         return np.empty(0, st)
     return _array.byte_view(buf.obj)[:buf.count * st.itemsize].view(st)
+
+
+def _native_view(buf: _Buf, dtype: str) -> Any:
+    """The flat storage-typed view of ``buf``'s elements in the array's own library and
+    memory (torch stays torch, cupy cupy, numpy numpy): where device codecs run."""
+    st = storage(dtype)
+    raw = _array.bitcast(_array.flat(buf.obj), "uint8")
+    return _array.bitcast(raw[:buf.count * st.itemsize], st.name)
 
 
 def _plan(MPI: Any, comm: Any, sendbuf: Any, recvbuf: Any,

@@ -150,3 +150,31 @@ def agree(t: Transport, collective: str, *, once: bool = False,
             parts.append(f"{name} differs (this rank: {value!r})")
     raise MismatchError(f"rank {t.rank}: ranks called {collective} with different "
                         f"arguments: {'; '.join(parts)}")
+
+
+def agree_args(t: Transport, collective: str, problem: Exception | None, /,
+               **fields: Any) -> None:
+    """:func:`agree` for a collective whose ranks first validated their own arguments.
+
+    All ranks agree on ``fields`` plus ``valid`` (``problem is None``); on a mismatch, a
+    rank whose arguments failed its own checks raises its ``problem`` instead of the
+    :class:`MismatchError`, so that rank says what is wrong and the others that ranks
+    differ. The caller raises ``problem`` afterwards (when all ranks failed alike).
+
+    Example:
+        >>> from gradcomm.comm import run_ranks
+        >>> from gradcomm.errors import ConfigError
+        >>> def fn(t):
+        ...     try:
+        ...         agree_args(t, "demo", ConfigError("bad") if t.rank else None, size=4)
+        ...     except Exception as exc:
+        ...         return type(exc).__name__
+        >>> run_ranks(2, fn)
+        ['MismatchError', 'ConfigError']
+    """
+    try:
+        agree(t, collective, **fields, valid=problem is None)
+    except MismatchError:
+        if problem is not None:
+            raise problem from None
+        raise

@@ -110,9 +110,9 @@ from .._dtypes import FLOATS
 from ..comm.base import Transport
 from ..compressors.base import Compressor, Payload
 from ..error_feedback import HOP_SEP, ErrorFeedback, contractive
-from ..errors import ConfigError, GradcommError, MismatchError, PayloadError, UnsupportedError
+from ..errors import ConfigError, GradcommError, PayloadError, UnsupportedError
 from . import compressed_ring
-from ._check import agree
+from ._check import agree_args
 from ._reduce import Reducer
 
 #: algorithms that run per hop on a CompressedWire
@@ -855,6 +855,50 @@ def _decode_sum(wire: CompressedWire, payloads: list[Payload], x: np.ndarray) ->
         raise PayloadError(f"{codec.name} payloads do not decode: {exc}") from None
 
 
+def check_op(op: str, dtype: str, name: str) -> None:
+    """Raise unless a compressed allreduce (codec ``name``) can reduce ``dtype`` by ``op``.
+
+    Example:
+        >>> check_op("mean", "float32", "fp16")
+        >>> check_op("avg", "float32", "fp16")
+        Traceback (most recent call last):
+        ...
+        gradcomm.errors.ConfigError: unknown op 'avg'; known: sum, mean, max, min, prod
+    """
+    if op not in OPS:
+        if op in ("max", "min", "prod"):
+            raise UnsupportedError(f"op={op!r} with a compressor: compressed allreduce "
+                                   f"supports {', '.join(OPS)}; use compressor=None")
+        raise ConfigError(f"unknown op {op!r}; known: sum, mean, max, min, prod")
+    if dtype not in FLOATS:
+        raise UnsupportedError(f"compressor {name!r} needs a floating dtype, got {dtype}")
+
+
+def check_seed(seed: Any) -> int:
+    """The seed of a compressed allreduce as an int (None: 0), checked.
+
+    Example:
+        >>> check_seed(None), check_seed(np.uint8(7))
+        (0, 7)
+    """
+    seed = 0 if seed is None else seed
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or \
+            not 0 <= seed < 2 ** 63:
+        raise ConfigError(f"seed must be an integer in 0..2**63-1, got {seed!r}")
+    return int(seed)
+
+
+def next_step(steps: "weakref.WeakKeyDictionary[Transport, int]", t: Transport,
+              residuals: ErrorFeedback | None, key: str) -> int:
+    """This call's step: that of ``key`` in ``residuals``, else the count of earlier calls
+    on ``t`` (kept in ``steps``, which it advances)."""
+    if residuals is not None:
+        return residuals.step(key)
+    step = steps.get(t, 0)
+    steps[t] = step + 1
+    return step
+
+
 def compressed_allreduce(t: Transport, buf: np.ndarray, dtype: str, *, op: str,
                          algorithm: str, compressor: Any, check: bool = True,
                          seed: int | None = None, residuals: ErrorFeedback | None = None,
@@ -889,13 +933,7 @@ def compressed_allreduce(t: Transport, buf: np.ndarray, dtype: str, *, op: str,
     try:
         codec = compressors.get(compressor, **options)
         name = codec.name
-        if op not in OPS:
-            if op in ("max", "min", "prod"):
-                raise UnsupportedError(f"op={op!r} with a compressor: compressed allreduce "
-                                       f"supports {', '.join(OPS)}; use compressor=None")
-            raise ConfigError(f"unknown op {op!r}; known: sum, mean, max, min, prod")
-        if dtype not in FLOATS:
-            raise UnsupportedError(f"compressor {name!r} needs a floating dtype, got {dtype}")
+        check_op(op, dtype, name)
         if algorithm not in COMPRESSED_ALGORITHMS:
             if algorithm == "native":
                 raise UnsupportedError(
@@ -903,35 +941,21 @@ def compressed_allreduce(t: Transport, buf: np.ndarray, dtype: str, *, op: str,
                     f"use one of {', '.join(COMPRESSED_ALGORITHMS)}")
             raise ConfigError(f"unknown algorithm {algorithm!r}; with a compressor use one "
                               f"of {', '.join(COMPRESSED_ALGORITHMS)}")
-        seed = 0 if seed is None else seed
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or \
-                not 0 <= seed < 2 ** 63:
-            raise ConfigError(f"seed must be an integer in 0..2**63-1, got {seed!r}")
-        seed = int(seed)
+        seed = check_seed(seed)
         if not isinstance(key, str):
             raise ConfigError(f"key must be a str, got {type(key).__name__}")
     except (GradcommError, KeyError, TypeError, ValueError) as exc:
         problem = exc
-    if residuals is not None:
-        step = residuals.step(key)
-    else:
-        step = _STEPS.get(t, 0)
-        _STEPS[t] = step + 1
+    step = next_step(_STEPS, t, residuals, key)
     if check:
         config = repr(sorted(codec.get_config().items())) if codec is not None else "?"
-        try:
-            # "auto" takes the gather routes for device buffers (on the host: maybe per hop)
-            route = algorithm if algorithm != "auto" else \
-                "auto (host)" if _array.is_host(buf) else "auto (device buffer)"
-            agree(t, "compressed allreduce", count=_array.size(buf), dtype=dtype, op=op,
-                  algorithm=route, compressor=name, config=config,
-                  seed=seed if isinstance(seed, int) else repr(seed), step=step, key=key,
-                  error_feedback=residuals is not None and residuals.enabled,
-                  valid=problem is None)
-        except MismatchError:
-            if problem is not None:
-                raise problem from None
-            raise
+        # "auto" takes the gather routes for device buffers (on the host: maybe per hop)
+        route = algorithm if algorithm != "auto" else \
+            "auto (host)" if _array.is_host(buf) else "auto (device buffer)"
+        agree_args(t, "compressed allreduce", problem, count=_array.size(buf), dtype=dtype,
+                   op=op, algorithm=route, compressor=name, config=config,
+                   seed=seed if isinstance(seed, int) else repr(seed), step=step, key=key,
+                   error_feedback=residuals is not None and residuals.enabled)
     if problem is not None:
         raise problem
     assert codec is not None and isinstance(seed, (int, np.integer))

@@ -70,18 +70,18 @@ from typing import Any, NamedTuple, Sequence
 import numpy as np
 
 from .. import compressors
-from .._dtypes import FLOATS, bf16_to_f32, f32_to_bf16
+from .._dtypes import bf16_to_f32, f32_to_bf16
 from ..comm.base import Transport
 from ..compressors.powersgd import (Layout, PowerSGD, left, orthonormalize, product,
                                     random_factor, right)
 from ..error_feedback import HOP_SEP, ErrorFeedback
-from ..errors import ConfigError, GradcommError, MismatchError, UnsupportedError
+from ..errors import ConfigError, GradcommError
 from . import DENSE, dense_allreduce
-from ._check import agree
+from ._check import agree_args
+from .compressed import check_op, check_seed, next_step
 
 #: algorithms that can carry the factors
 ALGORITHMS = (*DENSE, "allgather", "sparse_allgather", "auto")
-OPS = ("sum", "mean")
 #: suffix of a part's warm-start Q in the residual store
 Q_SUFFIX = HOP_SEP + "q"
 
@@ -213,31 +213,17 @@ def powersgd_allreduce(t: Transport, buf: np.ndarray, dtype: str, *, op: str,
         c = compressors.get(codec, **options)       # type: ignore[assignment]
         if not isinstance(c, PowerSGD):
             raise ConfigError(f"powersgd_allreduce needs the powersgd codec, got {c!r}")
-        if op not in OPS:
-            if op in ("max", "min", "prod"):
-                raise UnsupportedError(f"op={op!r} with a compressor: compressed allreduce "
-                                       f"supports {', '.join(OPS)}; use compressor=None")
-            raise ConfigError(f"unknown op {op!r}; known: sum, mean, max, min, prod")
-        if dtype not in FLOATS:
-            raise UnsupportedError(f"compressor 'powersgd' needs a floating dtype, got {dtype}")
+        check_op(op, dtype, "powersgd")
         if algorithm not in ALGORITHMS:
             raise ConfigError(f"unknown algorithm {algorithm!r}; powersgd runs on "
                               f"{', '.join(ALGORITHMS)}")
-        seed = 0 if seed is None else seed
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or \
-                not 0 <= seed < 2 ** 63:
-            raise ConfigError(f"seed must be an integer in 0..2**63-1, got {seed!r}")
-        seed = int(seed)
+        seed = check_seed(seed)
         if not isinstance(key, str):
             raise ConfigError(f"key must be a str, got {type(key).__name__}")
         parts = parts_of(int(buf.size), key, c, residuals, shape, shapes)
     except (GradcommError, KeyError, TypeError, ValueError) as exc:
         problem = exc
-    if residuals is not None:
-        step = residuals.step(key)
-    else:
-        step = _STEPS.get(t, 0)
-        _STEPS[t] = step + 1
+    step = next_step(_STEPS, t, residuals, key)
     p, n = t.size, int(buf.size)
     compress = problem is None and c is not None and p > 1 and n > 0 and step >= c.start_iter
     wdt = np.dtype(np.float64 if dtype == "float64" else np.float32)
@@ -253,16 +239,10 @@ def powersgd_allreduce(t: Transport, buf: np.ndarray, dtype: str, *, op: str,
                 crc = zlib.crc32(q.tobytes(), crc)
             layout = zlib.crc32(repr(parts).encode())
             config = f"{sorted(c.get_config().items())!r} parts={layout} q={crc}"
-        try:
-            agree(t, "compressed allreduce", count=n, dtype=dtype, op=op,
-                  algorithm=algorithm, compressor=name, config=config,
-                  seed=seed if isinstance(seed, int) else repr(seed), step=step, key=key,
-                  error_feedback=residuals is not None and residuals.enabled,
-                  valid=problem is None)
-        except MismatchError:
-            if problem is not None:
-                raise problem from None
-            raise
+        agree_args(t, "compressed allreduce", problem, count=n, dtype=dtype, op=op,
+                   algorithm=algorithm, compressor=name, config=config,
+                   seed=seed if isinstance(seed, int) else repr(seed), step=step, key=key,
+                   error_feedback=residuals is not None and residuals.enabled)
     if problem is not None:
         raise problem
     assert c is not None and isinstance(seed, int)

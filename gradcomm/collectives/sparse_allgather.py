@@ -40,8 +40,8 @@ from .. import _array
 from .._dtypes import bf16_to_f32, f32_to_bf16
 from ..comm import get_transport
 from ..comm.base import Transport
-from ..errors import ConfigError, GradcommError, MismatchError, PayloadError
-from ._check import agree
+from ..errors import ConfigError, GradcommError, PayloadError
+from ._check import agree_args
 from .allgather import allgather_ints, allgatherv
 
 #: value dtypes the sum is defined for (bfloat16 is summed in float32)
@@ -200,13 +200,8 @@ def sparse_allgather(indices: Any, values: Any, comm: Any = None, *, size: int |
     except (GradcommError, ValueError, TypeError) as exc:
         problem = exc
     if check:
-        try:
-            agree(t, "sparse_allgather", dtype=vmeta.dtype if vmeta else "?",
-                  size=-1 if size is None else size, valid=problem is None)
-        except MismatchError:
-            if problem is not None:
-                raise problem from None
-            raise
+        agree_args(t, "sparse_allgather", problem, dtype=vmeta.dtype if vmeta else "?",
+                   size=-1 if size is None else size)
     if problem is not None:
         raise problem
     assert vmeta is not None

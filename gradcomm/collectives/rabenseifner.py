@@ -32,6 +32,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..comm.base import TAG_DATA, Transport
+from ._fold import Fold
 from ._reduce import Reducer
 from ._segments import bounds
 from ._wire import DenseWire, Wire
@@ -54,22 +55,12 @@ def allreduce(t: Transport, buf: Any, red: Reducer, *, tag: int = TAG_DATA,
     if p == 1 or n == 0:
         return
     w = wire or DenseWire(red)
-    pof2 = 1 << (p.bit_length() - 1)
-    rem = p - pof2
-    if rank < 2 * rem:                      # step 1: fold the extra ranks in
-        if rank % 2 == 0:
-            t.send(w.encode(buf), rank + 1, tag)
-        else:
-            tmp = w.partial_buffer(n, buf)
-            t.recv(tmp, rank - 1, tag)
-            w.reduce(tmp, buf, True)
-    vrank = -1 if rank < 2 * rem and rank % 2 == 0 else (rank // 2 if rank < 2 * rem
-                                                          else rank - rem)
+    fold = Fold(p)
+    pof2 = fold.pof2
+    vrank = fold.fold_in(t, buf, w, tag)    # step 1: fold the extra ranks in
+    out = None                              # what an odd rank of a pair hands back
     if vrank >= 0:
         off = bounds(n, pof2)
-
-        def real(v: int) -> int:
-            return v * 2 + 1 if v < rem else v + rem
 
         def window(v: int, size: int) -> slice:   # aligned block of ``size`` segments
             first = v & ~(size - 1)
@@ -77,7 +68,7 @@ def allreduce(t: Transport, buf: Any, red: Reducer, *, tag: int = TAG_DATA,
 
         mask = pof2 >> 1                    # step 2: recursive halving
         while mask:
-            peer = real(vrank ^ mask)
+            peer = fold.real(vrank ^ mask)
             keep, give = window(vrank, mask), window(vrank ^ mask, mask)
             seg, other = buf[keep], buf[give]   # empty windows send nothing
             landing = w.partial_buffer(seg.size, buf) if seg.size else None
@@ -87,19 +78,13 @@ def allreduce(t: Transport, buf: Any, red: Reducer, *, tag: int = TAG_DATA,
             mask >>= 1
         mask = 1                            # step 3: recursive doubling
         while mask < pof2:
-            peer = real(vrank ^ mask)
+            peer = fold.real(vrank ^ mask)
             mine, theirs = buf[window(vrank, mask)], buf[window(vrank ^ mask, mask)]
             landing = w.final_buffer(theirs.size, theirs) if theirs.size else None
             _swap(t, w.final(mine) if mine.size else None, landing, peer, tag)
             if landing is not None:
                 w.place(landing, theirs)
             mask <<= 1
-        if rem:                             # every participant rounds the same result
+        if fold.rem:                        # every participant rounds the same result
             out = w.final(buf)
-    if rank < 2 * rem:                      # step 4: hand the result back
-        if rank % 2 == 0:
-            landing = w.final_buffer(n, buf)
-            t.recv(landing, rank + 1, tag)
-            w.place(landing, buf)
-        else:
-            t.send(out, rank - 1, tag)
+    fold.hand_back(t, buf, w, tag, out)     # step 4: hand the result back

@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..comm.base import TAG_DATA, Transport
+from ._fold import Fold
 from ._reduce import Reducer
 from ._wire import DenseWire, Wire
 
@@ -38,31 +39,17 @@ def allreduce(t: Transport, buf: Any, red: Reducer, *, tag: int = TAG_DATA,
     if p == 1 or n == 0:
         return
     w = wire or DenseWire(red)
-    pof2 = 1 << (p.bit_length() - 1)
-    rem = p - pof2
-    if rank < 2 * rem:                      # step 1: fold the extra ranks in
-        if rank % 2 == 0:
-            t.send(w.encode(buf), rank + 1, tag)
-        else:
-            tmp = w.partial_buffer(n, buf)
-            t.recv(tmp, rank - 1, tag)
-            w.reduce(tmp, buf, True)
-    vrank = -1 if rank < 2 * rem and rank % 2 == 0 else (rank // 2 if rank < 2 * rem
-                                                          else rank - rem)
+    fold = Fold(p)
+    pof2 = fold.pof2
+    vrank = fold.fold_in(t, buf, w, tag)    # step 1: fold the extra ranks in
+    out = None                              # what an odd rank of a pair hands back
     if vrank >= 0:                          # step 2: butterfly among 2^k ranks
         mask = 1
         while mask < pof2:
-            vpeer = vrank ^ mask
-            peer = vpeer * 2 + 1 if vpeer < rem else vpeer + rem
+            peer = fold.real(vrank ^ mask)
             tmp = w.partial_buffer(n, buf)
             t.sendrecv(w.final(buf), peer, tmp, peer, tag)
             w.reduce(tmp, buf, peer < rank)
             mask <<= 1
         out = w.final(buf)                  # every participant rounds the same result
-    if rank < 2 * rem:                      # step 3: hand the result back
-        if rank % 2 == 0:
-            landing = w.final_buffer(n, buf)
-            t.recv(landing, rank + 1, tag)
-            w.place(landing, buf)
-        else:
-            t.send(out, rank - 1, tag)
+    fold.hand_back(t, buf, w, tag, out)     # step 3: hand the result back

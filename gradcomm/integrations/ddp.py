@@ -16,7 +16,8 @@
    gradients of DDP's built-in allreduce bit for bit (see "Parity" below).
 4. With a compressor the bucket is reduced in float32 (float64 for float64 buckets): the
    error-feedback residual of every parameter is added to its slice, the compressed
-   collective runs, and each parameter's residual keeps what its slice lost.
+   collective runs, and each parameter's residual keeps what its slice lost (on the
+   bucket's device for CUDA buckets; see "GPU" below).
 5. The future completes with the reduced bucket; DDP copies it into ``.grad``.
 
 **Residuals are keyed by parameter name**, not by bucket: a bucket is cut into its
@@ -72,10 +73,27 @@ bitwise equal too; at more ranks only the order of summation differs.
 **Join** (``with ddp_model.join():``): a rank that ran out of data runs the hook on zero
 buckets, so collectives still match; gradients are divided by the full ``p``.
 
-**GPU.** CUDA buckets are staged through host memory: the hook records a CUDA event on
-the autograd stream, the worker waits for it before copying, and copies the result back
-before completing the future. The transport must move host buffers: with an NCCL
-process group pass a gloo group (``dist.new_group(backend="gloo")``) or ``"mpi"``.
+**GPU.** The hook records a CUDA event on the autograd stream and the worker waits for
+it before touching a CUDA bucket. A compressed CUDA bucket on a gather route
+(``"allgather"``, ``"sparse_allgather"``, and ``"auto"``, which means them there) stays
+on its device: the float32 (float64) working copy divided by ``p``, the per-parameter
+residuals and the codecs (the device kernels, byte-identical to the host's) live there,
+only payload bytes cross to the host transport, and the result is written back into the
+bucket on the device. Uncompressed buckets, explicit per-hop algorithms and PowerSGD are
+staged through host memory (copied there, reduced, copied back before the future
+completes). ``state_dict`` brings device residuals to the host; after a load they move
+to the device at their next bucket. ``GRADCOMM_CODEC_PLACEMENT=array`` sends CPU buckets
+down the device path too (how the tests cover it without a GPU; same bytes).
+
+**NCCL.** With an NCCL process group (its point-to-point moves only device buffers),
+``make_comm_hook`` creates a gloo group over the same ranks, in the same order, for the
+hook's messages: call it on every rank of the group (it is collective, like DDP's
+construction). A group smaller than the world is made with group-local synchronisation,
+which torch names after the ranks and the number of groups each process knows: its
+members must have created the same groups before. Uncompressed buckets with ``"auto"``
+or ``"native"`` are summed in place by NCCL's own allreduce, as DDP does. Other
+transports that move only device buffers are refused: pass a gloo group
+(``process_group=dist.new_group(backend="gloo")``) or ``transport="mpi"``.
 
 Tuning: ``start_iter`` of a few hundred steps lets the model leave the first,
 fast-changing phase uncompressed (PowerSGD does the same); on gloo every message costs
@@ -97,6 +115,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
@@ -155,11 +174,16 @@ class CommHookState:
             raise ConfigError(f"unknown algorithm {algorithm!r}; known: {', '.join(known)}")
         self.algorithm, self.start_iter, self.seed = algorithm, start_iter, int(seed)
         self.error_feedback = bool(error_feedback)
-        self.transport: Transport = _resolve_transport(transport, process_group, timeout)
+        #: ``transport`` carries gradcomm's messages (host buffers); ``library``, for a
+        #: device process group (NCCL), is that group, whose allreduce sums uncompressed
+        #: device buckets in place
+        self.transport: Transport
+        self.library: Transport | None
+        self.transport, self.library = _resolve_transport(transport, process_group, timeout)
         if "cpu" not in self.transport.devices:
             raise ConfigError(f"the {self.transport.name} transport moves only "
-                              f"{'/'.join(sorted(self.transport.devices))} buffers (an NCCL "
-                              "group?), and the hook reduces buckets in host memory: pass "
+                              f"{'/'.join(sorted(self.transport.devices))} buffers, and the "
+                              "hook's messages are host buffers: pass "
                               "process_group=dist.new_group(backend='gloo') or "
                               "transport='mpi'")
         self.residuals = _Residuals(self.error_feedback, lambda: self.iter)
@@ -319,15 +343,79 @@ class CommHookState:
         return finished
 
     def _reduce_unit(self, flat: Any, keys: list[str], lengths: list[int]) -> None:
-        """Average 1-D tensor ``flat`` (parameters ``keys`` of ``lengths``) across ranks."""
+        """Average 1-D tensor ``flat`` (parameters ``keys`` of ``lengths``) across ranks,
+        where :meth:`_route` says."""
         t = self.transport
         began, sent = time.perf_counter(), t.stats.bytes_sent
-        host = flat if flat.device.type == "cpu" else flat.cpu()
-        meta = _array.meta_of(host)
+        meta = _array.meta_of(flat)
         compressed = (self.compressor is not None and self.compressor.lossy
                       and self.iter >= self.start_iter)
-        sig = (host.numel(), meta.dtype, compressed)
+        sig = (flat.numel(), meta.dtype, compressed)
         check = sig not in self._checked    # agree on new shapes only: gloo messages cost ms
+        route = self._route(meta, compressed)
+        if route == "device":
+            self._reduce_on_device(flat, meta.dtype, keys, lengths, check)
+        elif route == "library":
+            self._library_allreduce(flat, meta.dtype, check)
+        else:
+            self._reduce_on_host(flat, keys, lengths, compressed, check)
+        self._checked.add(sig)
+        self.stats["buckets"] += 1
+        self.stats["bytes_sent"] += t.stats.bytes_sent - sent
+        self.stats["comm_seconds"] += time.perf_counter() - began
+
+    def _route(self, meta: _array.Meta, compressed: bool) -> str:
+        """Where a bucket described by ``meta`` is reduced: ``"device"`` (compressed on a
+        gather route with codecs that run where the bucket is: CUDA buckets, or every
+        tensor under ``GRADCOMM_CODEC_PLACEMENT=array``), ``"library"`` (uncompressed
+        ``auto``/``native`` device buckets of a device process group: its own allreduce,
+        in place) or ``"host"`` (staged through host memory: the rest)."""
+        if compressed:
+            assert self.compressor is not None
+            gather = self.algorithm in _DEVICE_ALGORITHMS and \
+                self.compressor.name not in _STAGED_CODECS
+            return "device" if gather and _array.codec_placement(meta) == "device" else "host"
+        lib = self.library
+        if lib is not None and meta.device != "cpu" and self.algorithm in ("auto", "native") \
+                and lib.native_supports(meta.dtype, "sum"):
+            return "library"
+        return "host"
+
+    def _reduce_on_device(self, flat: Any, dtype: str, keys: list[str], lengths: list[int],
+                          check: bool) -> None:
+        """The compressed path where the bucket lives: a float32/float64 working copy
+        divided by p, residuals on the same device, payload bytes alone crossing to the
+        host; the result goes back into ``flat`` there."""
+        work = flat.double() if dtype == "float64" else flat.float()   # flat itself if so
+        work.mul_(1.0 / self.transport.size)
+        result = self._compressed(work, keys, lengths, check)
+        if result is not work:
+            _array.assign(work, result)
+        if work is not flat:
+            flat.copy_(work)
+        _array.sync(flat)                   # done before the future hands it to DDP
+
+    def _library_allreduce(self, flat: Any, dtype: str, check: bool) -> None:
+        """DDP's own path on a device process group: scale by 1/p and sum ``flat`` in
+        place with the group's allreduce (arguments agreed over the host transport)."""
+        from ..collectives import agree
+
+        lib = self.library
+        assert lib is not None
+        flat.mul_(1.0 / lib.size)
+        if check:
+            agree(self.transport, "allreduce", count=int(flat.numel()), dtype=dtype, op="sum",
+                  algorithm="native")
+        lib.native_allreduce(flat, "sum", dtype)
+        _array.sync(flat)
+        self.stats["native_nbytes"] += flat.numel() * flat.element_size()
+
+    def _reduce_on_host(self, flat: Any, keys: list[str], lengths: list[int],
+                        compressed: bool, check: bool) -> None:
+        """Staged through host memory (in place for CPU buckets)."""
+        t = self.transport
+        host = flat if flat.device.type == "cpu" else flat.cpu()
+        meta = _array.meta_of(host)
         if not compressed:
             host.mul_(1.0 / t.size)
             view = _array.host_view(host)
@@ -348,12 +436,8 @@ class CommHookState:
             view = _array.host_view(work)
             result = self._compressed(view, keys, lengths, check)
             host.copy_(_array.from_flat(result, _array.meta_of(work)))
-        self._checked.add(sig)
         if host is not flat:
             flat.copy_(host)
-        self.stats["buckets"] += 1
-        self.stats["bytes_sent"] += t.stats.bytes_sent - sent
-        self.stats["comm_seconds"] += time.perf_counter() - began
 
     def _dense_algorithm(self, dtype: str) -> str:
         """The uncompressed path's algorithm: with "auto", the library's own allreduce
@@ -362,9 +446,9 @@ class CommHookState:
             return "auto" if dtype in self._no_native else "native"
         return self.algorithm if self.algorithm in DENSE else "auto"
 
-    def _compressed(self, x: np.ndarray, keys: list[str], lengths: list[int],
-                    check: bool) -> np.ndarray:
-        """Compressed allreduce (sum) of flat ``x`` with the residuals of ``keys``."""
+    def _compressed(self, x: Any, keys: list[str], lengths: list[int], check: bool) -> Any:
+        """Compressed allreduce (sum) of flat ``x`` (host numpy, or a tensor reduced where
+        it lives) with the residuals of ``keys``."""
         from ..collectives.compressed import compressed_allreduce
 
         unit = self.residuals.begin(keys, lengths, x)
@@ -487,7 +571,9 @@ def make_comm_hook(compressor: Any = None, *, algorithm: str = "auto",
             ``**options`` (e.g. ``ratio=0.01``), or a Compressor.
         algorithm: any gradcomm allreduce algorithm the compressor composes with.
         error_feedback: keep per-parameter residuals of the compression error.
-        process_group: DDP's process group (default: the default group).
+        process_group: DDP's process group (default: the default group). For an NCCL
+            group a gloo group over its ranks is created here for the hook's messages
+            (collective: every rank of the group calls ``make_comm_hook``).
         transport: None (point-to-point over ``process_group``), ``"mpi"``
             (``MPI.COMM_WORLD``, for jobs started with mpirun), an mpi4py communicator or a
             gradcomm Transport.
@@ -571,34 +657,39 @@ class _Residuals(ErrorFeedback):
     def compensate(self, key: str, x: np.ndarray) -> np.ndarray:
         return x
 
-    def update(self, key: str, x: np.ndarray, decoded: np.ndarray) -> None:
+    def update(self, key: str, x: Any, decoded: Any) -> None:
         if self.enabled:
+            dtype = _array.dtype_name(x)
             for name, a, b in self._segments:
-                np.subtract(x[a:b], decoded[a:b], out=self.residual(name, b - a, x.dtype))
+                _array.subtract(x[a:b], decoded[a:b],
+                                self.residual(name, b - a, dtype, like=x))
 
     def locate(self, name: str, offset: int) -> None:
         """Record that hop residual ``name`` starts at ``offset`` of its unit."""
         self.offsets[name] = int(offset)
 
     # what the hook calls
-    def begin(self, keys: list[str], lengths: list[int], x: np.ndarray) -> str:
-        """Add each parameter's residual to its slice of ``x``; the unit's key."""
+    def begin(self, keys: list[str], lengths: list[int], x: Any) -> str:
+        """Add each parameter's residual to its slice of flat ``x`` (any array kind; a
+        residual held elsewhere, e.g. loaded on the host, moves to ``x``'s device);
+        the unit's key."""
         import hashlib
 
         unit = "unit:" + hashlib.sha1("|".join(keys).encode()).hexdigest()[:16]
         self.units[unit] = (list(keys), list(lengths))
         self._used.add(unit)
         self._segments = []
-        a = 0
+        a, dtype = 0, _array.dtype_name(x)
         for name, n in zip(keys, lengths):
             self._segments.append((name, a, a + n))
             e = self._residuals.get(name) if self.enabled else None
             if e is not None:
-                if e.shape == (n,) and e.dtype == x.dtype:
+                if tuple(e.shape) == (n,) and _array.dtype_name(e) == dtype:
+                    e = self.residual(name, n, dtype, like=x)    # where x is
                     x[a:a + n] += e
-                    e[...] = 0
+                    _array.assign(e, 0.0)
                 else:
-                    self.residual(name, n, x.dtype)          # warns and resets
+                    self.residual(name, n, dtype, like=x)       # warns and resets
             a += n
         return unit
 
@@ -635,37 +726,41 @@ class _Residuals(ErrorFeedback):
             prefix = unit + HOP_SEP
             for hop, e in self._residuals.items():
                 if hop.startswith(prefix):
-                    out[hop] = [self.offsets.get(hop, -1), int(e.size),
-                                zlib.crc32(e.tobytes())]
+                    out[hop] = [self.offsets.get(hop, -1), _array.size(e),
+                                zlib.crc32(_array.host(e).tobytes())]
         return out
 
     def fold(self, unit: str, copies: Mapping[str, int] | None = None) -> None:
         """Move unit ``unit``'s hop residuals, each divided by its number of ``copies``
-        across the ranks, into its parameters' residuals."""
+        across the ranks, into its parameters' residuals (which move to the hop
+        residual's device if they are elsewhere)."""
         names, lengths = self.units.pop(unit)
-        starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        starts = [0, *itertools.accumulate(int(n) for n in lengths)]
         prefix = unit + HOP_SEP
         for hop in [h for h in self._residuals if h.startswith(prefix)]:
             e = self._residuals.pop(hop)
             off = self.offsets.pop(hop, None)
             if off is None:
-                if np.any(e):
+                if np.any(_array.host(e)):
                     warnings.warn(f"hop residual {hop!r} has no recorded offset; its error "
                                   "mass is dropped", stacklevel=2)
                 continue
             c = (copies or {}).get(hop, 1)
             if c > 1:
-                e = e / e.dtype.type(c)
+                _array.divide_(e, c)                 # popped: no one else holds it
+            size, dtype = _array.size(e), _array.dtype_name(e)
             for i, name in enumerate(names):
-                lo, hi = max(off, starts[i]), min(off + e.size, starts[i + 1])
+                lo, hi = max(off, starts[i]), min(off + size, starts[i + 1])
                 if lo < hi:
-                    dst = self.residual(name, lengths[i], e.dtype)
+                    dst = self.residual(name, int(lengths[i]), dtype, like=e)
                     dst[lo - starts[i]:hi - starts[i]] += e[lo - off:hi - off]
 
     def local_state(self) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, Any]]:
-        """``({"residuals": ..., "extra": ...}, {"units": ..., "offsets": ...})``."""
+        """``({"residuals": ..., "extra": ...}, {"units": ..., "offsets": ...})``, the
+        arrays on the host (device residuals are copied there)."""
         units = {u: {"names": n, "lengths": ls} for u, (n, ls) in self.units.items()}
-        return ({"residuals": dict(self._residuals), "extra": dict(self._extras)},
+        residuals = {k: _array.host(v) for k, v in self._residuals.items()}
+        return ({"residuals": residuals, "extra": dict(self._extras)},
                 {"units": units, "offsets": dict(self.offsets)})
 
     def restore(self, other: _Residuals) -> None:
@@ -677,7 +772,7 @@ class _Residuals(ErrorFeedback):
     def copy(self) -> _Residuals:
         """An independent copy (arrays, extra state, units, offsets, shapes)."""
         out = type(self)(self.enabled, self.clock)
-        out._residuals = {k: v.copy() for k, v in self._residuals.items()}
+        out._residuals = {k: _array.clone(v) for k, v in self._residuals.items()}
         out._extras = {k: v.copy() for k, v in self._extras.items()}
         out.units = {k: (list(n), list(ls)) for k, (n, ls) in self.units.items()}
         out.offsets = dict(self.offsets)
@@ -731,12 +826,12 @@ class _Residuals(ErrorFeedback):
                     continue                 # a hop of an unknown unit: nothing to map
                 mine = out._residuals.get(name)
                 if mine is None:
-                    out._residuals[name] = e.copy()
-                elif mine.shape == e.shape:
+                    out._residuals[name] = _array.clone(e)
+                elif tuple(mine.shape) == tuple(e.shape):
                     mine += e
                 else:
-                    raise ConfigError(f"residual {name!r} has {e.size} elements on one saved "
-                                      f"rank and {mine.size} on another")
+                    raise ConfigError(f"residual {name!r} has {_array.size(e)} elements on "
+                                      f"one saved rank and {_array.size(mine)} on another")
         return out
 
 
@@ -810,6 +905,12 @@ class _Replay:
                 fut.set_exception(exc)
 
 
+#: compressed algorithms the hook runs where the bucket lives (gather routes; "auto" means
+#: them for device buckets); codecs always staged through the host
+_DEVICE_ALGORITHMS = ("auto", "allgather", "sparse_allgather")
+_STAGED_CODECS = ("powersgd",)
+
+
 def _codec_algorithms(codec: Any) -> tuple[str, ...]:
     """The algorithms a lossy codec composes with: PowerSGD's two rounds are dense sums,
     so any dense algorithm (``native`` too); every other codec, the compressed ones."""
@@ -830,25 +931,63 @@ def _work(q: queue.SimpleQueue[Callable[[], None] | None]) -> None:
         task()
 
 
-def _resolve_transport(transport: Any, process_group: Any, timeout: float | None) -> Transport:
+def _resolve_transport(transport: Any, process_group: Any, timeout: float | None
+                       ) -> tuple[Transport, Transport | None]:
+    """(the transport of gradcomm's messages, the device process group or None)."""
     if isinstance(transport, str):
         if transport == "mpi":
             from mpi4py import MPI
 
-            return get_transport(MPI.COMM_WORLD, timeout=timeout)
+            return get_transport(MPI.COMM_WORLD, timeout=timeout), None
         if transport != "torch":
             raise ConfigError(f"transport must be None, 'torch', 'mpi', an mpi4py "
                               f"communicator or a Transport; got {transport!r}")
         transport = None
     if transport is not None:
-        return get_transport(transport, timeout=timeout)
+        return get_transport(transport, timeout=timeout), None
     import torch.distributed as dist
 
     if not dist.is_initialized():
         raise ConfigError("make_comm_hook needs torch.distributed initialised (DDP does) "
                           "or transport=")
-    return get_transport(process_group if process_group is not None else dist.group.WORLD,
-                         timeout=timeout)
+    group = process_group if process_group is not None else dist.group.WORLD
+    backend = _payload_backend(str(dist.get_backend(group)))
+    if backend is None:
+        return get_transport(group, timeout=timeout), None
+    return (get_transport(_host_group(group, backend), timeout=timeout),
+            get_transport(group, timeout=timeout))
+
+
+#: process-group backends whose point-to-point moves device buffers only
+_DEVICE_BACKENDS = frozenset({"nccl"})
+
+
+def _payload_backend(backend: str) -> str | None:
+    """The backend of the group the hook sends its (host) messages over, for a DDP
+    process group of ``backend``: None to use that group itself, else a group of that
+    backend over the same ranks (``"gloo"`` for NCCL, which moves device buffers only).
+
+    Example:
+        >>> _payload_backend("gloo"), _payload_backend("nccl"), _payload_backend("mpi")
+        (None, 'gloo', None)
+    """
+    return "gloo" if backend in _DEVICE_BACKENDS else None
+
+
+def _host_group(group: Any, backend: str = "gloo") -> Any:
+    """A new ``backend`` process group over the ranks of ``group``, in the same rank
+    order. Collective: a group of every rank is made by all processes (in the same order
+    as their other group creations, torch's rule); a smaller one with group-local
+    synchronisation by its members alone, which torch names after the ranks and the
+    number of groups the process knows, so its members must have made the same groups
+    before."""
+    import torch.distributed as dist
+
+    ranks = dist.get_process_group_ranks(group)
+    extra: dict[str, Any] = {} if ranks == sorted(ranks) else {"sort_ranks": False}
+    if len(ranks) == dist.get_world_size():
+        return dist.new_group(ranks, backend=backend, **extra)
+    return dist.new_group(ranks, backend=backend, use_local_synchronization=True, **extra)
 
 
 def _numpy(v: Any) -> np.ndarray:

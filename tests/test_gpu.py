@@ -439,3 +439,46 @@ def test_compressed_wrap_on_device_arrays_gives_the_host_bytes(place):
 
     require_mpi()
     check_results(mpi_call(compressed_wrap_on_the_device, 2, place, timeout=100), place)
+
+
+@pytest.mark.skipif(not TORCH_CUDA, reason="no GPU: torch.cuda.is_available() is False")
+def test_ddp_hook_on_a_one_rank_nccl_group():
+    """An NCCL group: the hook sends its messages over a gloo group it makes over the same
+    ranks, sums uncompressed buckets with NCCL's allreduce on the device and keeps the
+    residuals of compressed ones there (checkpointed on the host)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from gradcomm.integrations.ddp import make_comm_hook
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for compressor in (None, "int8"):
+            torch.manual_seed(0)
+            ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 2)).cuda()
+            model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16),
+                                            torch.nn.Linear(16, 2)).cuda())
+            model.module.load_state_dict(ref.state_dict())
+            state, hook = make_comm_hook(compressor, model=model)
+            model.register_comm_hook(state, hook)
+            assert state.transport.backend == "gloo" and state.library.backend == "nccl"
+            for _ in range(3):
+                x = torch.randn(5, 8, device="cuda")
+                for m in (ref, model):
+                    m.zero_grad()
+                    m(x).square().sum().backward()
+                for a, b in zip(ref.parameters(), model.parameters()):
+                    torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0)
+            if compressor is None:
+                assert state.stats["native_nbytes"] > 0 and state.stats["bytes_sent"] == 0
+            else:
+                res = state.residuals._residuals
+                assert res and all(where(v)[1].startswith("cuda") for v in res.values())
+                saved = state.state_dict()["ranks"][0]["residuals"]
+                assert all(v.device.type == "cpu" for v in saved.values())
+            state.close()
+    finally:
+        dist.destroy_process_group()

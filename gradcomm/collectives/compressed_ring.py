@@ -53,7 +53,7 @@ from typing import Any, Callable
 
 from ..comm.base import TAG_DATA, Request, Transport
 from ..errors import DeadlineError
-from ._segments import bounds, chunks
+from ._segments import ring_schedule
 
 #: dense bytes from which compressed ring allreduces take the pipelined path by default
 MIN_BYTES = 4 << 20
@@ -161,17 +161,8 @@ def allreduce(t: Transport, buf: Any, wire: Any, *, tag: int = TAG_DATA,
     if p == 1 or n == 0:
         return
     right, left = (rank + 1) % p, (rank - 1) % p
-    off = bounds(n, p)
-    chunk = max(1, chunk_bytes // buf.itemsize)
     last = 2 * p - 3                        # steps 0..p-2 reduce, p-1..2p-3 gather
-
-    def pieces(seg: int) -> list[tuple[int, int]]:
-        return chunks(off[seg], off[seg + 1], chunk)
-
-    def arriving(s: int) -> int:            # segment received in step s (sent in s + 1)
-        return (rank - s - 1) % p if s < p - 1 else (rank - s + p - 1) % p
-
-    jobs = [(s, lo, hi) for s in range(last + 1) for lo, hi in pieces(arriving(s))]
+    first, jobs = ring_schedule(n, p, rank, max(1, chunk_bytes // buf.itemsize))
     landings = [wire.partial_buffer(hi - lo, buf, slot=i % 2) if s < p - 1 else
                 wire.final_buffer(hi - lo, buf[lo:hi]) for i, (s, lo, hi) in enumerate(jobs)]
     recvs: list[Request] = []
@@ -180,7 +171,7 @@ def allreduce(t: Transport, buf: Any, wire: Any, *, tag: int = TAG_DATA,
     try:
         recvs = [t.irecv(landing, left, tag) for landing in landings]
         outq: collections.deque[_Task] = collections.deque(
-            work.submit(wire.encode, buf[lo:hi]) for lo, hi in pieces(rank))
+            work.submit(wire.encode, buf[lo:hi]) for lo, hi in first)
 
         def hop(landing: Any, seg: Any, final: bool) -> Any:
             wire.reduce(landing, seg, left < rank)

@@ -33,7 +33,7 @@ from typing import Any
 
 from ..comm.base import TAG_DATA, Request, Transport
 from ._reduce import Reducer
-from ._segments import bounds, chunks
+from ._segments import ring_schedule
 from ._wire import DenseWire, Wire
 
 #: default pipeline chunk: large enough that per-message overhead is small, small enough
@@ -52,19 +52,10 @@ def allreduce(t: Transport, buf: Any, red: Reducer, *, tag: int = TAG_DATA,
         return
     w = wire or DenseWire(red)
     right, left = (rank + 1) % p, (rank - 1) % p
-    off = bounds(n, p)
-    chunk = max(1, chunk_bytes // buf.itemsize)
     last = 2 * p - 3                        # steps 0..p-2 reduce, p-1..2p-3 gather
-
-    def pieces(seg: int) -> list[tuple[int, int]]:
-        return chunks(off[seg], off[seg + 1], chunk)
-
-    def arriving(s: int) -> int:            # segment received in step s (sent in s + 1)
-        return (rank - s - 1) % p if s < p - 1 else (rank - s + p - 1) % p
-
-    jobs = [(s, lo, hi) for s in range(last + 1) for lo, hi in pieces(arriving(s))]
+    first, jobs = ring_schedule(n, p, rank, max(1, chunk_bytes // buf.itemsize))
     sends: dict[int, list[Request]] = {0: [t.isend(w.encode(buf[lo:hi]), right, tag)
-                                           for lo, hi in pieces(rank)]}
+                                           for lo, hi in first]}
 
     done = 0                                # sends of steps < done have completed
 

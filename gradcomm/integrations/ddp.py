@@ -145,9 +145,11 @@ class CommHookState:
     """Everything the hook keeps between buckets: config, residuals, the worker thread.
 
     Build it with :func:`make_comm_hook`. Attributes worth reading: ``iter`` (completed
-    backward passes), ``transport`` and ``stats``: ``buckets`` reduced, ``bytes_sent`` by
-    gradcomm's own messages, ``native_nbytes`` handed to the library's allreduce
-    (``algorithm="native"``; what that puts on the wire is the library's business) and
+    backward passes), ``transport`` (gradcomm's messages), ``library`` (the transport of
+    an NCCL DDP group, which sums uncompressed device buckets itself; else None) and
+    ``stats``: ``buckets`` reduced, ``bytes_sent`` by gradcomm's own messages,
+    ``native_nbytes`` handed to the library's allreduce (``algorithm="native"``, or an
+    NCCL group's; what that puts on the wire is the library's business) and
     ``comm_seconds`` the worker spent reducing.
     """
 
@@ -403,9 +405,9 @@ class CommHookState:
         lib = self.library
         assert lib is not None
         flat.mul_(1.0 / lib.size)
-        if check:
+        if check:       # the host path's fields: a rank staging instead is told, not hung
             agree(self.transport, "allreduce", count=int(flat.numel()), dtype=dtype, op="sum",
-                  algorithm="native")
+                  algorithm="native (device group)")
         lib.native_allreduce(flat, "sum", dtype)
         _array.sync(flat)
         self.stats["native_nbytes"] += flat.numel() * flat.element_size()

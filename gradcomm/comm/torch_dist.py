@@ -165,12 +165,30 @@ class TorchTransport(Transport):
         """``dist.all_reduce`` in place on ``buf`` (viewed as the torch dtype), with the
         deadline. UnsupportedError for dtypes the backend cannot reduce (gloo: int16 and
         unsigned types wider than 8 bits)."""
+        work = self.native_allreduce_start(self._tensor(buf), op, dtype)
+        self.native_allreduce_wait(work)
+
+    def native_allreduce_start(self, t: Any, op: str, dtype: str) -> Any:
+        """Start ``dist.all_reduce`` in place on torch tensor ``t`` (viewed as ``dtype``)
+        and return its work for :meth:`native_allreduce_wait`. No host synchronisation:
+        torch orders a device collective after the work already queued on the current
+        stream, so a caller on the autograd thread keeps the order DDP issues in."""
         if dtype in _NATIVE_UNSUPPORTED.get(self.backend, ()):
             raise UnsupportedError(f"torch.distributed {self.backend} all_reduce cannot "
                                    f"reduce {dtype}; use one of gradcomm's algorithms")
         if op not in _OPS:
             raise UnsupportedError(f"all_reduce has no op {op!r}; known: {', '.join(_OPS)}")
-        t = self._tensor(buf).view(getattr(self.torch, dtype))
-        work = self.dist.all_reduce(t, op=getattr(self.dist.ReduceOp, _OPS[op]),
+        return self.dist.all_reduce(t.view(getattr(self.torch, dtype)),
+                                    op=getattr(self.dist.ReduceOp, _OPS[op]),
                                     group=self.group, async_op=True)
-        self._wait(work, time.monotonic() + self.timeout, self.timeout, "all_reduce")
+
+    def native_allreduce_wait(self, work: Any) -> None:
+        """Wait for :meth:`native_allreduce_start`'s work, within the deadline (a device
+        collective is polled: its ``wait`` would only order streams)."""
+        deadline = time.monotonic() + self.timeout
+        if "cpu" not in self.devices:
+            while not work.is_completed():
+                if time.monotonic() >= deadline:
+                    break                   # _wait reports the deadline
+                time.sleep(20e-6)
+        self._wait(work, deadline, self.timeout, "all_reduce")

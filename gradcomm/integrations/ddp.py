@@ -91,7 +91,9 @@ hook's messages: call it on every rank of the group (it is collective, like DDP'
 construction). A group smaller than the world is made with group-local synchronisation,
 which torch names after the ranks and the number of groups each process knows: its
 members must have created the same groups before. Uncompressed buckets with ``"auto"``
-or ``"native"`` are summed in place by NCCL's own allreduce, as DDP does. Other
+or ``"native"`` are summed in place by NCCL's own allreduce, as DDP does, started on the
+autograd thread (where DDP issues its own collectives, so every rank issues them in one
+order; the worker only waits for them, within the deadline). Other
 transports that move only device buffers are refused: pass a gloo group
 (``process_group=dist.new_group(backend="gloo")``) or ``transport="mpi"``.
 
@@ -283,14 +285,20 @@ class CommHookState:
 
     # -- one bucket ----------------------------------------------------------------------
     def _bucket(self, buf: Any, keys: list[str], lengths: list[int], last: bool,
-                fut: Any, event: Any) -> None:
-        """Worker side of the hook: reduce one DDP bucket (or collect it for a replay)."""
+                fut: Any, event: Any, work: Any = None) -> None:
+        """Worker side of the hook: reduce one DDP bucket (or collect it for a replay);
+        ``work``: the device group's allreduce the hook already started on it."""
         try:
             if self._failure is not None:
                 raise GradcommError(f"an earlier bucket failed: {self._failure}")
             if event is not None:
                 event.synchronize()        # the gradients were written on another stream
-            if self._replay is not None or self._pending is not None:
+            if work is not None:
+                self._library_finish(buf, work)
+                self.stats["buckets"] += 1
+                self._current.append(keys)
+                ready = [(fut, buf)]
+            elif self._replay is not None or self._pending is not None:
                 ready = self._replay_bucket(buf, keys, lengths, fut, last)
             else:
                 self._reduce_unit(buf, keys, lengths)
@@ -400,17 +408,50 @@ class CommHookState:
     def _library_allreduce(self, flat: Any, dtype: str, check: bool) -> None:
         """DDP's own path on a device process group: scale by 1/p and sum ``flat`` in
         place with the group's allreduce (arguments agreed over the host transport)."""
+        if check:
+            self._agree_library(flat, dtype)
+        self._library_finish(flat, self._library_start(flat, dtype))
+
+    def _agree_library(self, flat: Any, dtype: str) -> None:
+        """The host path's check fields: a rank staging instead is told, not hung."""
         from ..collectives import agree
 
+        agree(self.transport, "allreduce", count=int(flat.numel()), dtype=dtype, op="sum",
+              algorithm="native (device group)")
+
+    def _library_start(self, flat: Any, dtype: str) -> Any:
         lib = self.library
         assert lib is not None
         flat.mul_(1.0 / lib.size)
-        if check:       # the host path's fields: a rank staging instead is told, not hung
-            agree(self.transport, "allreduce", count=int(flat.numel()), dtype=dtype, op="sum",
-                  algorithm="native (device group)")
-        lib.native_allreduce(flat, "sum", dtype)
-        _array.sync(flat)
+        return lib.native_allreduce_start(flat, "sum", dtype)   # type: ignore[attr-defined]
+
+    def _library_finish(self, flat: Any, work: Any) -> None:
+        assert self.library is not None
+        self.library.native_allreduce_wait(work)               # type: ignore[attr-defined]
+        _array.sync(flat)                   # done before the future hands it to DDP
         self.stats["native_nbytes"] += flat.numel() * flat.element_size()
+
+    def _hook_library(self, buf: Any) -> Any:
+        """On the autograd thread: start the device group's allreduce of bucket ``buf`` if
+        it takes the library route (else None; the worker reduces it). Issued here, the
+        device collectives keep the order DDP issues its own in (the unused-parameter map
+        with ``find_unused_parameters``, ...) on every rank; issued from the worker they
+        could interleave differently on different ranks and hang NCCL. A new shape is
+        first agreed on the worker (after the buckets queued before it)."""
+        if self.library is None or self._replay is not None or self._pending is not None:
+            return None                     # a replayed layout: the worker groups units
+        meta = _array.meta_of(buf)
+        compressed = (self.compressor is not None and self.compressor.lossy
+                      and self.iter >= self.start_iter)
+        if self._route(meta, compressed) != "library":
+            return None
+        sig = (buf.numel(), meta.dtype, False)
+        if sig not in self._checked:
+            def agree() -> None:
+                self._agree_library(buf, meta.dtype)
+                self._checked.add(sig)
+            self._call(agree)
+        return self._library_start(buf, meta.dtype)
 
     def _reduce_on_host(self, flat: Any, keys: list[str], lengths: list[int],
                         compressed: bool, check: bool) -> None:
@@ -614,10 +655,11 @@ def comm_hook(state: CommHookState, bucket):  # type: ignore[no-untyped-def]
             raise ConfigError(f"bucket {bucket.index()} holds {buf.numel()} elements but its "
                               f"parameters {sum(lengths)} (sparse gradients are unsupported)")
         last, event = bucket.is_last(), None
-        if buf.is_cuda:
+        work = state._hook_library(buf)     # a device group's own allreduce starts here
+        if buf.is_cuda and work is None:
             event = torch.cuda.Event()
             event.record()
-        state._submit(lambda: state._bucket(buf, keys, lengths, last, fut, event))
+        state._submit(lambda: state._bucket(buf, keys, lengths, last, fut, event, work))
     except BaseException as exc:
         fut.set_exception(exc)
     return fut

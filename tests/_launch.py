@@ -118,6 +118,14 @@ class Run:
                                  f"{self.describe()}")
         return found
 
+    def clean_results(self, n: int) -> list[Any]:
+        """:meth:`results` of ``n`` ranks, after asserting that none reported an error
+        (each result's ``"errors"`` list)."""
+        results = self.results(n)
+        errors = [e for r in results for e in r["errors"]]
+        assert not errors, "\n".join(errors) + "\n" + self.describe()
+        return results
+
 
 def _descendants(pid: int) -> list[int]:
     """Every live descendant of ``pid`` (Linux /proc; empty elsewhere)."""

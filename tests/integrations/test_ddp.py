@@ -29,26 +29,19 @@ CHECKS = SCRIPTS / "ddp_checks.py"
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-def assert_clean(run, n: int) -> list[dict]:
-    results = run.results(n)
-    errors = [e for r in results for e in r["errors"]]
-    assert not errors, "\n".join(errors) + "\n" + run.describe()
-    return results
-
-
 # -- real processes ---------------------------------------------------------------------------
 @pytest.mark.timeout(150)
 def test_hook_on_two_gloo_processes():
     run = torchrun(CHECKS, 2, "parity", "warmup", "compressors", "rebuild", "resume", "join",
                    timeout=140)
-    info = assert_clean(run, 2)[0]["info"]
+    info = run.clean_results(2)[0]["info"]
     assert info["compressors"], info
 
 
 @pytest.mark.timeout(120)
 def test_hook_on_three_gloo_processes_and_between_rank_counts():
     run = torchrun(CHECKS, 3, "parity", "join", "resize", timeout=110)
-    assert_clean(run, 3)
+    run.clean_results(3)
 
 
 @pytest.mark.timeout(120)
@@ -56,7 +49,7 @@ def test_hook_under_mpirun_with_the_mpi_transport():
     require_mpi()
     run = mpirun(CHECKS, 2, "parity", "compressors", "resume", "join", "--quick",
                  "--port", str(free_port()), timeout=110)
-    assert_clean(run, 2)
+    run.clean_results(2)
 
 
 @pytest.mark.timeout(120)

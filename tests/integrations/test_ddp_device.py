@@ -27,25 +27,18 @@ from tests._launch import torchrun  # noqa: E402
 CHECKS = Path(__file__).parent / "scripts" / "ddp_device_checks.py"
 
 
-def assert_clean(run, n: int) -> list[dict]:
-    results = run.results(n)
-    errors = [e for r in results for e in r["errors"]]
-    assert not errors, "\n".join(errors) + "\n" + run.describe()
-    return results
-
-
 # -- real processes ---------------------------------------------------------------------------
 @pytest.mark.timeout(90)
 def test_device_path_on_two_gloo_processes():
     run = torchrun(CHECKS, 2, "parity", "resume", "groups", timeout=80)
-    info = assert_clean(run, 2)[0]["info"]
+    info = run.clean_results(2)[0]["info"]
     assert len(info["parity"]) == 8, info
 
 
 @pytest.mark.timeout(90)
 def test_device_path_on_three_gloo_processes():
     run = torchrun(CHECKS, 3, "parity", "groups", timeout=80)
-    assert_clean(run, 3)
+    run.clean_results(3)
 
 
 # -- in-process: the residual store on tensors, the routes -------------------------------------

@@ -435,11 +435,17 @@ def main() -> None:
         QUICK.update(codecs=("topk", "fp16", "qsgd", "onebit"), steps=3)
     torch.set_num_threads(1)
     init(args.port)
+    run_checks(CHECKS, args.checks)
+
+
+def run_checks(checks: dict, names: list[str]) -> None:
+    """Run ``checks[name]()`` for each name (stopping at the first that raises), print
+    this rank's ``RESULT {json}`` line (errors and info), then leave the process group."""
     times = {}
-    for name in args.checks:
+    for name in names:
         began = time.perf_counter()
         try:
-            CHECKS[name]()
+            checks[name]()
         except Exception as exc:                        # report, then stop: ranks may diverge
             import traceback
 

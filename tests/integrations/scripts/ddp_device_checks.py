@@ -14,30 +14,22 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import os
-import time
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_checks import CAP, batch, flat_params, loss_of, make_model, same_everywhere
+from ddp_checks import (CAP, INFO, batch, fail, flat_params, loss_of, make_model,
+                        run_checks, same_everywhere)
 
 import gradcomm
 from gradcomm.collectives.compressed import is_sparse
 from gradcomm.integrations import ddp as ddp_hook
 
-ERRORS: list[str] = []
-INFO: dict[str, object] = {}
 #: codecs checked, with options that keep a small model's buckets meaningful
 CODECS = {"int8": {"bits": 4}, "onebit": {}, "topk": {"ratio": 0.1}, "fp16": {}}
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def fail(msg: str) -> None:
-    ERRORS.append(f"rank {dist.get_rank()}: {msg}")
 
 
 def placed(on_device: bool) -> None:
@@ -194,23 +186,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    times = {}
-    for name in args.checks:
-        began = time.perf_counter()
-        try:
-            CHECKS[name]()
-        except Exception as exc:                        # report, then stop: ranks may diverge
-            import traceback
-
-            fail(f"{name} raised {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-            times[name] = round(time.perf_counter() - began, 2)
-            break
-        times[name] = round(time.perf_counter() - began, 2)
-    INFO["seconds"] = times
-    print("RESULT " + json.dumps({"rank": dist.get_rank(), "errors": ERRORS, "info": INFO}),
-          flush=True)
-    dist.barrier()  # no teardown while a peer still talks (gloo aborts)
-    dist.destroy_process_group()
+    run_checks(CHECKS, args.checks)
 
 
 if __name__ == "__main__":

@@ -16,8 +16,10 @@
    The device payload's wire bytes must equal the host codec's on the same values.
 4. ``gradcomm.allreduce(x, compressor=c)`` on 2 in-process ranks for each codec, with a
    gather and a per-hop algorithm: the device result must have the host path's bytes.
+5. ``examples/ddp_train.py --device cuda --compressor int8`` in one process (an NCCL
+   group; the hook's codec on the GPU): it must train (test accuracy >= 0.8).
 
-``--cpu`` does 3 and 4 on torch CPU tensors through the device kernels
+``--cpu`` does 3-5 on torch CPU tensors through the device kernels
 (``GRADCOMM_CODEC_PLACEMENT=array``), on a small size. Exit status 1 if a test, a
 byte check or a codec fails. Without a GPU and without ``--cpu`` it reports step 1 only.
 """
@@ -227,6 +229,24 @@ def print_codecs(rows: list[dict], n: int, repeat: int) -> None:
               f"{str(d.get('equal_host', '-')):>5}  {note}")
 
 
+def run_example(device: str, timeout: float) -> dict:
+    """``examples/ddp_train.py`` in one process on ``device`` (cuda: an NCCL group, the
+    int8 codec on the GPU, its payloads over the gloo group the hook makes)."""
+    cmd = [sys.executable, str(ROOT / "examples" / "ddp_train.py"), "--device", device,
+           "--compressor", "int8", "--epochs", "2"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return {"command": " ".join(cmd[1:]), "rc": None, "error": f"timed out ({timeout} s)"}
+    found = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    res = json.loads(found[-1][len("RESULT "):]) if found else {}
+    row = {"command": " ".join(cmd[1:]), "rc": proc.returncode,
+           "accuracy": res.get("accuracy"), "seconds": res.get("seconds")}
+    if proc.returncode != 0 or (res.get("accuracy") or 0) < 0.8:
+        row["error"] = (proc.stdout + proc.stderr)[-2000:]
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cpu", action="store_true",
@@ -278,6 +298,14 @@ def main(argv: list[str] | None = None) -> int:
             failed += [f"{r['kind']} {r['codec']} {r.get('path', r.get('algorithm'))}: "
                        f"{r.get('error', 'bytes differ from the host path')}"
                        for r in rows + checks if "error" in r or r.get("equal_host") is False]
+        if kernels and (args.cpu or env["torch_cuda"]):
+            ex = run_example("cpu" if args.cpu else "cuda",
+                             max(20.0, min(120.0, deadline - time.perf_counter())))
+            result["example"] = ex
+            print(f"\nexample: {ex['command']}: rc={ex['rc']} accuracy={ex.get('accuracy')} "
+                  f"[{ex.get('seconds')} s]")
+            if "error" in ex:
+                failed.append(f"example: {ex['error']}")
     finally:
         if placement is None:
             os.environ.pop("GRADCOMM_CODEC_PLACEMENT", None)

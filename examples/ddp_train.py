@@ -6,9 +6,12 @@ on its own shard; the hook compresses the gradients on their way through the all
     torchrun --nproc_per_node 2 examples/ddp_train.py --compressor topk --ratio 0.01
     mpirun -n 2 python examples/ddp_train.py --compressor onebit --algorithm allgather
     python examples/ddp_train.py                      # one process, no compression
+    torchrun --nproc_per_node 2 examples/ddp_train.py --device cuda --compressor int8
 
 Under mpirun the hook talks MPI (``transport="mpi"``; microseconds per message) and
 torch.distributed (which DDP itself needs) is initialised from Open MPI's variables.
+``--device cuda`` trains on the GPUs (one per rank) over an NCCL process group: the codecs
+run on the GPU and the hook sends its payloads over a gloo group it makes itself.
 Prints, per epoch, the training loss (mean over ranks), test accuracy and the bytes the
 hook sent (all ranks); the last line is ``RESULT {json}`` with the final numbers.
 """
@@ -29,11 +32,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from gradcomm.integrations.ddp import make_comm_hook
 
 
-def setup() -> str:
-    """Initialise torch.distributed for torchrun, mpirun or a plain single process;
-    return the transport the hook should use ("torch" or "mpi")."""
+def setup(backend: str = "gloo") -> str:
+    """Initialise torch.distributed (``backend``) for torchrun, mpirun or a plain single
+    process; return the transport the hook should use ("torch" or "mpi")."""
+    if backend == "nccl":                                     # one GPU per rank
+        local = os.environ.get("LOCAL_RANK", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", 0))
+        torch.cuda.set_device(int(local) % torch.cuda.device_count())
     if "RANK" in os.environ:                                  # torchrun
-        dist.init_process_group("gloo")
+        dist.init_process_group(backend)
         return "torch"
     if "OMPI_COMM_WORLD_SIZE" in os.environ:                  # mpirun
         from mpi4py import MPI
@@ -49,9 +55,9 @@ def setup() -> str:
         port = comm.bcast(port, root=0)
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ["MASTER_PORT"] = str(port)
-        dist.init_process_group("gloo", rank=comm.Get_rank(), world_size=comm.Get_size())
+        dist.init_process_group(backend, rank=comm.Get_rank(), world_size=comm.Get_size())
         return "mpi"
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return "torch"
 
 
@@ -99,17 +105,22 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=0.1)
     ap.add_argument("--bucket-cap-mb", type=float, default=0.02)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="cuda: one GPU per rank, NCCL for DDP, codecs on the GPU")
     args = ap.parse_args()
 
     torch.set_num_threads(1)
-    launched_by = setup()
+    launched_by = setup("nccl" if args.device == "cuda" else "gloo")
     transport = launched_by if args.transport == "auto" else args.transport
     rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" \
+        else torch.device("cpu")
     (xtr, ytr), (xte, yte) = load_data(args.seed)
-    xtr, ytr = xtr[rank::world], ytr[rank::world]             # this rank's shard
+    xtr, ytr = xtr[rank::world].to(device), ytr[rank::world].to(device)   # this rank's shard
+    xte, yte = xte.to(device), yte.to(device)
 
     torch.manual_seed(args.seed)
-    model = DDP(nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10)),
+    model = DDP(nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10)).to(device),
                 bucket_cap_mb=args.bucket_cap_mb)
     options = parse_options(args.option)
     if args.ratio is not None:
@@ -124,36 +135,37 @@ def main() -> None:
     loss_fn = nn.CrossEntropyLoss()
 
     steps = len(ytr) // args.batch_size                       # equal on every rank here
-    steps = torch.tensor(steps)
+    steps = torch.tensor(steps, device=device)
     dist.all_reduce(steps, op=dist.ReduceOp.MIN)
     began = time.perf_counter()
     for epoch in range(args.epochs):
         g = torch.Generator().manual_seed(args.seed * 1000 + epoch * 10 + rank)
-        order = torch.randperm(len(ytr), generator=g)
-        total = torch.zeros(2)
+        order = torch.randperm(len(ytr), generator=g).to(device)
+        total = torch.zeros(2, device=device)
         for i in range(int(steps)):
             idx = order[i * args.batch_size:(i + 1) * args.batch_size]
             opt.zero_grad()
             loss = loss_fn(model(xtr[idx]), ytr[idx])
             loss.backward()
             opt.step()
-            total += torch.tensor([loss.item(), 1.0])
+            total += torch.tensor([loss.item(), 1.0], device=device)
         dist.all_reduce(total)
         with torch.no_grad():
             accuracy = (model(xte).argmax(1) == yte).float().mean().item()
-        sent = torch.tensor(float(state.stats["bytes_sent"]))
+        sent = torch.tensor(float(state.stats["bytes_sent"]), device=device)
         dist.all_reduce(sent)
         if rank == 0:
             print(f"epoch {epoch + 1}: loss {total[0] / total[1]:.4f}  test accuracy "
                   f"{accuracy:.3f}  hook sent {sent / 1e6:.2f} MB (all ranks)  "
                   f"[{time.perf_counter() - began:.1f} s]", flush=True)
-    native = torch.tensor(float(state.stats["native_nbytes"]))
+    native = torch.tensor(float(state.stats["native_nbytes"]), device=device)
     dist.all_reduce(native)
     if rank == 0:
         print("RESULT " + json.dumps({
             "ranks": world, "transport": state.transport.name, "compressor": args.compressor,
             "algorithm": args.algorithm, "loss": float(total[0] / total[1]),
             "accuracy": accuracy, "bytes_sent": int(sent), "native_nbytes": int(native),
+            "device": args.device,
             "seconds": round(time.perf_counter() - began, 2)}), flush=True)
     state.close()
     dist.barrier()              # nobody tears gloo down while a peer still uses it

@@ -482,6 +482,11 @@ def dtype_name(a: Any) -> str:
     return str(a.dtype).removeprefix("torch.")
 
 
+#: torch dtypes with only "barebones" support (views, creation; copies and arithmetic
+#: missing on some devices and versions): moved and copied as their signed twin
+_TORCH_BAREBONES = {"uint16": "int16"}
+
+
 def _torch_dtype(name: str) -> Any:
     import torch
 
@@ -527,6 +532,9 @@ def empty_like_kind(like: Any, n: int, dtype: str) -> Any:
     if k == "torch":
         import torch
 
+        if dtype in _TORCH_BAREBONES:     # made (and later copied) as their signed twin
+            return torch.empty(n, dtype=_torch_dtype(_TORCH_BAREBONES[dtype]),
+                               device=like.device).view(_torch_dtype(dtype))
         return torch.empty(n, dtype=_torch_dtype(dtype), device=like.device)
     import cupy
 
@@ -551,10 +559,12 @@ def like(a: np.ndarray, ref: Any) -> Any:
     if k == "torch":
         import torch
 
-        if a.dtype == np.uint16:                 # torch.from_numpy lacks uint16
-            t = torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.uint16)
-        else:
-            t = torch.from_numpy(np.ascontiguousarray(a))
+        if a.dtype == np.uint16:                 # torch.from_numpy lacks uint16; and the
+            t = torch.from_numpy(np.ascontiguousarray(a).view(np.int16))   # copy is int16's
+            if ref.device.type != "cpu":
+                t = t.to(ref.device, non_blocking=False)
+            return t.view(torch.uint16)
+        t = torch.from_numpy(np.ascontiguousarray(a))
         return t if ref.device.type == "cpu" else t.to(ref.device, non_blocking=False)
     import cupy
 
@@ -639,6 +649,11 @@ def assign(out: Any, v: Any) -> None:
         [3.0, 3.0]
     """
     if kind(out) == "torch":
+        twin = _TORCH_BAREBONES.get(_torch_dtype_name(out))
+        if twin is not None:              # copy unsigned 16-bit data as its signed twin
+            out = out.view(_torch_dtype(twin))
+            if not isinstance(v, (int, float)) and _torch_dtype_name(v) in _TORCH_BAREBONES:
+                v = v.view(_torch_dtype(twin))
         if isinstance(v, (int, float)):
             out.fill_(v)
         else:

@@ -345,6 +345,72 @@ def _unkey(k, one):
     return one.view(np.float32)[0]
 
 
+# --- error feedback around a bucket ----------------------------------------------------------
+#: this module has fused encoders: ``y = x + e`` is encoded; then ``e = y - decode`` and/or
+#: ``d = decode`` in the same pass over each bucket (see :func:`fused`). Every bucketed
+#: encoder is one kernel ``(x, ..., e, d, mode)``; the plain encoder is its ``mode`` 0.
+FUSED = True
+_NONE32 = np.zeros(1, np.float32)
+_ONEBIT, _MINMAX, _FIXED, _SIGNLEVEL = 0, 1, 2, 3
+
+
+@njit(inline="always", **_JIT)
+def _value(kind, ci, a, b, k):
+    """The float32 that code ``ci`` (uint8) stands for in codec ``kind`` (a constant: the
+    other branches fold away), given the bucket's float32 ``a``, ``b`` and uint8 ``k``."""
+    if kind == _ONEBIT:                 # a where the bit is set, else b
+        return a if ci else b
+    if kind == _MINMAX:                 # lo + ci * unit
+        return a + np.float32(ci) * b
+    if kind == _FIXED:                  # (ci - L) * step; code k is NaN
+        return _F32_NAN if ci == k else (np.float32(ci) - a) * b
+    v = np.float32(ci & k) * a          # signlevel: level ci & k in units a, sign bit above k
+    return -v if ci > k else v
+
+
+@njit(inline="always", **_JIT)
+def _decode_codes(kind, c, m, a, b, k, o, add):
+    """o[0:m] = the values of codes c[0:m] (+ o with add)."""
+    if add:
+        for i in range(m):
+            o[i] = _value(kind, c[i], a, b, k) + o[i]
+    else:
+        for i in range(m):
+            o[i] = _value(kind, c[i], a, b, k)
+
+
+@njit(**_JIT)
+def _ef_input(x, e, s, m, mode, ys):
+    """Bucket ``s .. s+m`` of what is encoded: ``x``, or ``y = x + e`` (into ys) under
+    mode & 1."""
+    xs = x[s:s + m]
+    if mode & 1:
+        es = e[s:s + m]
+        for i in range(m):
+            ys[i] = xs[i] + es[i]
+        return ys[:m]
+    return xs
+
+
+@njit(inline="always", **_JIT)
+def _ef_output(kind, c, a, b, k, ys, e, d, s, m, mode):
+    """After bucket ``s .. s+m`` of ``y`` was encoded to codes ``c`` (decoded as
+    :func:`_value` says): ``d = decoded`` (mode & 2) and ``e = y - decoded`` (mode & 1),
+    in one pass."""
+    if mode == 3:
+        ds, es = d[s:s + m], e[s:s + m]
+        for i in range(m):
+            dv = _value(kind, c[i], a, b, k)
+            ds[i] = dv
+            es[i] = ys[i] - dv
+    elif mode == 2:
+        _decode_codes(kind, c, m, a, b, k, d[s:s + m], False)
+    else:
+        es = e[s:s + m]
+        for i in range(m):
+            es[i] = ys[i] - _value(kind, c[i], a, b, k)
+
+
 # --- int8: per-bucket min/max --------------------------------------------------------------
 
 @njit(**_JIT)
@@ -570,16 +636,17 @@ def signlevel_decode(packed, n, bs, s, bits, scale, out, add=False):
 # --- onebit ----------------------------------------------------------------------------------
 
 @njit(**_JIT)
-def _onebit_encode(x, bs, pos_out, neg_out, packed):
+def _onebit_encode(x, bs, pos_out, neg_out, packed, e, d, mode):
     n = x.size
     c = np.empty(min(bs, n), np.uint8)
+    ys = np.empty(min(bs, n) if mode & 1 else 0, np.float32)
     ps = np.zeros(LANES)
     ns = np.zeros(LANES)
     cn = np.zeros(LANES, np.int32)
     for b in range((n + bs - 1) // bs):
         s = b * bs
         m = min(bs, n - s)
-        xs = x[s:s + m]
+        xs = _ef_input(x, e, s, m, mode, ys)
         ps[:] = 0.0
         ns[:] = 0.0
         cn[:] = 0
@@ -612,11 +679,13 @@ def _onebit_encode(x, bs, pos_out, neg_out, packed):
             for i in range(m):
                 c[i] = xs[i] >= np.float32(0.0)
         _pack_into(c, m, 1, packed[s // 8:])
+        if mode:
+            _ef_output(_ONEBIT, c, pos_out[b], neg_out[b], np.uint8(0), xs, e, d, s, m, mode)
 
 
 def onebit_encode(x, bs, pos_out, neg_out, packed):
     if x.size:
-        _onebit_encode(x, bs, pos_out, neg_out, packed)
+        _onebit_encode(x, bs, pos_out, neg_out, packed, _NONE32, _NONE32, 0)
 
 
 @njit(**_JIT)
@@ -650,10 +719,6 @@ def onebit_decode(packed, n, bs, pos, neg, out, add=False):
 
 
 # --- fused compression (error feedback, round trips) ----------------------------------------
-#: this module has fused encoders: ``y = x + e`` is encoded; then ``e = y - decode`` and/or
-#: ``d = decode`` in the same pass over each bucket (see :func:`fused`)
-FUSED = True
-_NONE32 = np.zeros(1, np.float32)
 
 @njit(inline="always", **_JIT)
 def _f16_round(y):
@@ -941,76 +1006,9 @@ def _signlevel_encode_fused(x, bs, s_, bits, l2, key, scale_out, packed, e, d, m
                     es[i] = xs[i] - (-(np.float32(c[i] & lmask) * unit) if c[i] & sbit else np.float32(c[i] & lmask) * unit)
 
 
-@njit(**_JIT)
-def _onebit_encode_fused(x, bs, pos_out, neg_out, packed, e, d, mode):
-    n = x.size
-    ys = np.empty(max(1, min(bs, n)), np.float32)
-    c = np.empty(min(bs, n), np.uint8)
-    ps = np.zeros(LANES)
-    ns = np.zeros(LANES)
-    cn = np.zeros(LANES, np.int32)
-    for b in range((n + bs - 1) // bs):
-        s = b * bs
-        m = min(bs, n - s)
-        xs = x[s:s + m]
-        if mode & 1:
-            es = e[s:s + m]
-            for i in range(m):
-                ys[i] = xs[i] + es[i]
-            xs = ys[:m]
-        ps[:] = 0.0
-        ns[:] = 0.0
-        cn[:] = 0
-        full = m // LANES
-        for t in range(full):
-            r = xs[t * LANES:(t + 1) * LANES]
-            for j in range(LANES):
-                v = np.float64(r[j])
-                ps[j] += max(v, 0.0)
-                ns[j] += min(v, 0.0)
-                cn[j] += r[j] >= np.float32(0.0)
-        for j in range(m - full * LANES):
-            v = np.float64(xs[full * LANES + j])
-            ps[j] += max(v, 0.0)
-            ns[j] += min(v, 0.0)
-            cn[j] += xs[full * LANES + j] >= np.float32(0.0)
-        psum = _fold(ps)
-        nsum = _fold(ns)
-        cnt = 0
-        for j in range(LANES):
-            cnt += cn[j]
-        if not (np.isfinite(psum) and np.isfinite(nsum)):
-            pos_out[b] = _F32_NAN
-            neg_out[b] = _F32_NAN
-            for i in range(m):
-                c[i] = 0
-        else:
-            pos_out[b] = np.float32(psum / cnt) if cnt > 0 else np.float32(0.0)
-            neg_out[b] = np.float32(nsum / (m - cnt)) if m - cnt > 0 else np.float32(0.0)
-            for i in range(m):
-                c[i] = xs[i] >= np.float32(0.0)
-        _pack_into(c, m, 1, packed[s // 8:])
-        if mode:
-            pb, nb_ = pos_out[b], neg_out[b]
-            if mode == 3:
-                ds, es = d[s:s + m], e[s:s + m]
-                for i in range(m):
-                    dv = pb if c[i] else nb_
-                    ds[i] = dv
-                    es[i] = xs[i] - dv
-            elif mode == 2:
-                ds = d[s:s + m]
-                for i in range(m):
-                    ds[i] = pb if c[i] else nb_
-            else:
-                es = e[s:s + m]
-                for i in range(m):
-                    es[i] = xs[i] - (pb if c[i] else nb_)
-
-
 _FUSED_KERNELS = {"f16": _f16_encode_fused, "bf16": _bf16_encode_fused,
               "minmax": _minmax_encode_fused, "fixed": _fixed_encode_fused,
-              "signlevel": _signlevel_encode_fused, "onebit": _onebit_encode_fused}
+              "signlevel": _signlevel_encode_fused, "onebit": _onebit_encode}
 
 
 def fused(kind, x, args, residual=None, decoded=None):

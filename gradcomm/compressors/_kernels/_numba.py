@@ -414,21 +414,21 @@ def _ef_output(kind, c, a, b, k, ys, e, d, s, m, mode):
 # --- int8: per-bucket min/max --------------------------------------------------------------
 
 @njit(**_JIT)
-def _minmax_encode(x, bs, bits, stochastic, key, lo_out, unit_out, packed):
+def _minmax_encode(x, bs, bits, stochastic, key, lo_out, unit_out, packed, e, d, mode):
     n = x.size
     L = (1 << bits) - 1
     fL = np.float32(L)
     zero = np.float32(0.0)
-    xi = x.view(np.int32)
     c = np.empty(min(bs, n), np.uint8)
+    ys = np.empty(min(bs, n) if mode & 1 else 0, np.float32)
     w = np.empty(min(bs, n) // 2 + 4, np.uint32)
     wh = w.view(np.uint16)
     one = np.empty(1, np.int32)
     for b in range((n + bs - 1) // bs):
         s = b * bs
         m = min(bs, n - s)
-        xs = x[s:s + m]
-        lo_k, hi_k = _key_minmax(xi[s:s + m], m)
+        xs = _ef_input(x, e, s, m, mode, ys)
+        lo_k, hi_k = _key_minmax(xs.view(np.int32), m)
         bad = hi_k >= _KEY_PINF or lo_k <= _KEY_NINF
         lo = _unkey(lo_k, one)
         hi = _unkey(hi_k, one)
@@ -451,37 +451,30 @@ def _minmax_encode(x, bs, bits, stochastic, key, lo_out, unit_out, packed):
                     q = np.floor((xs[i] - lo) * inv + np.float32(0.5))
                     c[i] = np.uint8(min(max(q, zero), fL))
         _pack_into(c, m, bits, packed[(s // 8) * bits:])
+        if mode:
+            _ef_output(_MINMAX, c, lo_out[b], unit_out[b], np.uint8(0), xs, e, d, s, m, mode)
 
 
 def minmax_encode(x, bs, bits, stochastic, key, lo_out, unit_out, packed):
     if x.size:
-        _minmax_encode(x, bs, bits, stochastic, key, lo_out, unit_out, packed)
+        _minmax_encode(x, bs, bits, stochastic, key, lo_out, unit_out, packed, _NONE32,
+                       _NONE32, 0)
 
 
 @njit(**_JIT)
 def _minmax_decode(packed, n, bs, bits, lo, unit, out, add):
     c = np.empty(min(bs, n), np.uint8)
+    k = np.uint8(0)
     for b in range((n + bs - 1) // bs):
         s = b * bs
         m = min(bs, n - s)
         o = out[s:s + m]
-        lb, ub = lo[b], unit[b]
         if bits == 8:
-            _dequantize(packed[s:s + m], m, lb, ub, o, add)
+            _decode_codes(_MINMAX, packed[s:s + m], m, lo[b], unit[b], k, o, add)
         else:
             _unpack_into(packed[(s // 8) * bits:], m, bits, c)
-            _dequantize(c, m, lb, ub, o, add)
+            _decode_codes(_MINMAX, c, m, lo[b], unit[b], k, o, add)
     return 0
-
-
-@njit(inline="always", **_JIT)
-def _dequantize(p, m, lb, ub, o, add):
-    if add:
-        for i in range(m):
-            o[i] = (lb + np.float32(p[i]) * ub) + o[i]
-    else:
-        for i in range(m):
-            o[i] = lb + np.float32(p[i]) * ub
 
 
 def minmax_decode(packed, n, bs, bits, lo, unit, out, add=False):
@@ -826,68 +819,6 @@ def _f32_as_u32(typingctx, x):
 
 
 @njit(**_JIT)
-def _minmax_encode_fused(x, bs, bits, stochastic, key, lo_out, unit_out, packed, e, d, mode):
-    n = x.size
-    ys = np.empty(max(1, min(bs, n)), np.float32)
-    L = (1 << bits) - 1
-    fL = np.float32(L)
-    zero = np.float32(0.0)
-    xi = x.view(np.int32)
-    c = np.empty(min(bs, n), np.uint8)
-    w = np.empty(min(bs, n) // 2 + 4, np.uint32)
-    wh = w.view(np.uint16)
-    one = np.empty(1, np.int32)
-    for b in range((n + bs - 1) // bs):
-        s = b * bs
-        m = min(bs, n - s)
-        xs = x[s:s + m]
-        if mode & 1:
-            es = e[s:s + m]
-            for i in range(m):
-                ys[i] = xs[i] + es[i]
-            xs = ys[:m]
-        lo_k, hi_k = _key_minmax(xs.view(np.int32), m)
-        bad = hi_k >= _KEY_PINF or lo_k <= _KEY_NINF
-        lo = _unkey(lo_k, one)
-        hi = _unkey(hi_k, one)
-        rng = np.float64(hi) - np.float64(lo)
-        ok = (not bad) and rng > 0
-        lo_out[b] = _F32_NAN if bad else lo
-        unit_out[b] = _F32_NAN if bad else np.float32(rng / L)
-        if not ok:
-            for i in range(m):
-                c[i] = 0
-        else:
-            inv = np.float32(min(L / rng, _FLT_MAX))
-            if stochastic:
-                _fill_bucket_words(key, s, m, w)
-                for i in range(m):
-                    q = np.floor((xs[i] - lo) * inv + _u(wh[i]))
-                    c[i] = np.uint8(min(max(q, zero), fL))
-            else:
-                for i in range(m):
-                    q = np.floor((xs[i] - lo) * inv + np.float32(0.5))
-                    c[i] = np.uint8(min(max(q, zero), fL))
-        _pack_into(c, m, bits, packed[(s // 8) * bits:])
-        if mode:
-            lb, ub = lo_out[b], unit_out[b]
-            if mode == 3:
-                ds, es = d[s:s + m], e[s:s + m]
-                for i in range(m):
-                    dv = lb + np.float32(c[i]) * ub
-                    ds[i] = dv
-                    es[i] = xs[i] - dv
-            elif mode == 2:
-                ds = d[s:s + m]
-                for i in range(m):
-                    ds[i] = lb + np.float32(c[i]) * ub
-            else:
-                es = e[s:s + m]
-                for i in range(m):
-                    es[i] = xs[i] - (lb + np.float32(c[i]) * ub)
-
-
-@njit(**_JIT)
 def _fixed_encode_fused(x, bits, scale, stochastic, key, packed, e, d, mode):
     n = x.size
     ys = np.empty(max(1, _FIXED_BLOCK), np.float32)
@@ -1007,7 +938,7 @@ def _signlevel_encode_fused(x, bs, s_, bits, l2, key, scale_out, packed, e, d, m
 
 
 _FUSED_KERNELS = {"f16": _f16_encode_fused, "bf16": _bf16_encode_fused,
-              "minmax": _minmax_encode_fused, "fixed": _fixed_encode_fused,
+              "minmax": _minmax_encode, "fixed": _fixed_encode_fused,
               "signlevel": _signlevel_encode_fused, "onebit": _onebit_encode}
 
 

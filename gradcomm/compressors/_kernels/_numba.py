@@ -486,31 +486,44 @@ def minmax_decode(packed, n, bs, bits, lo, unit, out, add=False):
 _FIXED_BLOCK = 4096
 
 
+@njit(inline="always", **_JIT)
+def _fixed_code(v, u, mul, fL, nan):
+    """The code of ``v`` (dither ``u``): ``floor(v * mul + u)`` clamped to +-L, + L; ``nan``
+    for NaN and +-inf."""
+    q = min(max(np.floor(v * mul + u), -fL), fL) + fL
+    return np.uint8(q) if np.isfinite(v) else nan
+
+
 @njit(**_JIT)
-def _fixed_encode(x, bits, scale, stochastic, key, packed):
+def _fixed_encode(x, bits, scale, stochastic, key, packed, e, d, mode):
     n = x.size
     L = (1 << (bits - 1)) - 1
     fL = np.float32(L)
     mul = np.float32(min(L / scale, _FLT_MAX))
+    step = np.float32(scale / L)
+    nan_code = np.uint8(2 * L + 1)
     c = np.empty(_FIXED_BLOCK, np.uint8)
+    ys = np.empty(_FIXED_BLOCK if mode & 1 else 0, np.float32)
     w = np.empty(_FIXED_BLOCK // 2 + 4, np.uint32)
     wh = w.view(np.uint16)
     for s in range(0, n, _FIXED_BLOCK):
         m = min(_FIXED_BLOCK, n - s)
-        xs = x[s:s + m]
-        if stochastic:
+        xs = _ef_input(x, e, s, m, mode, ys)
+        if stochastic:          # two loops: LLVM does not always unswitch a select on it
             _fill_bucket_words(key, s, m, w)
-        for i in range(m):
-            v = xs[i]
-            u = _u(wh[i]) if stochastic else np.float32(0.5)
-            q = min(max(np.floor(v * mul + u), -fL), fL) + fL
-            c[i] = np.uint8(q) if np.isfinite(v) else np.uint8(2 * L + 1)
+            for i in range(m):
+                c[i] = _fixed_code(xs[i], _u(wh[i]), mul, fL, nan_code)
+        else:
+            for i in range(m):
+                c[i] = _fixed_code(xs[i], np.float32(0.5), mul, fL, nan_code)
         _pack_into(c, m, bits, packed[(s // 8) * bits:])
+        if mode:
+            _ef_output(_FIXED, c, fL, step, nan_code, xs, e, d, s, m, mode)
 
 
 def fixed_encode(x, bits, scale, stochastic, key, packed):
     if x.size:
-        _fixed_encode(x, bits, scale, stochastic, key, packed)
+        _fixed_encode(x, bits, scale, stochastic, key, packed, _NONE32, _NONE32, 0)
 
 
 @njit(**_JIT)
@@ -521,15 +534,7 @@ def _fixed_decode(packed, n, bits, scale, out, add):
     for s in range(0, n, _FIXED_BLOCK):
         m = min(_FIXED_BLOCK, n - s)
         _unpack_into(packed[(s // 8) * bits:], m, bits, c)
-        o = out[s:s + m]
-        if add:
-            for i in range(m):
-                v = (np.float32(c[i]) - np.float32(L)) * step
-                o[i] = (_F32_NAN if c[i] == 2 * L + 1 else v) + o[i]
-        else:
-            for i in range(m):
-                v = (np.float32(c[i]) - np.float32(L)) * step
-                o[i] = _F32_NAN if c[i] == 2 * L + 1 else v
+        _decode_codes(_FIXED, c, m, np.float32(L), step, np.uint8(2 * L + 1), out[s:s + m], add)
     return 0
 
 
@@ -819,50 +824,6 @@ def _f32_as_u32(typingctx, x):
 
 
 @njit(**_JIT)
-def _fixed_encode_fused(x, bits, scale, stochastic, key, packed, e, d, mode):
-    n = x.size
-    ys = np.empty(max(1, _FIXED_BLOCK), np.float32)
-    L = (1 << (bits - 1)) - 1
-    fL = np.float32(L)
-    mul = np.float32(min(L / scale, _FLT_MAX))
-    c = np.empty(_FIXED_BLOCK, np.uint8)
-    w = np.empty(_FIXED_BLOCK // 2 + 4, np.uint32)
-    wh = w.view(np.uint16)
-    for s in range(0, n, _FIXED_BLOCK):
-        m = min(_FIXED_BLOCK, n - s)
-        xs = x[s:s + m]
-        if mode & 1:
-            es = e[s:s + m]
-            for i in range(m):
-                ys[i] = xs[i] + es[i]
-            xs = ys[:m]
-        if stochastic:
-            _fill_bucket_words(key, s, m, w)
-        for i in range(m):
-            v = xs[i]
-            u = _u(wh[i]) if stochastic else np.float32(0.5)
-            q = min(max(np.floor(v * mul + u), -fL), fL) + fL
-            c[i] = np.uint8(q) if np.isfinite(v) else np.uint8(2 * L + 1)
-        _pack_into(c, m, bits, packed[(s // 8) * bits:])
-        if mode:
-            step = np.float32(scale / L)
-            if mode == 3:
-                ds, es = d[s:s + m], e[s:s + m]
-                for i in range(m):
-                    dv = _F32_NAN if c[i] == 2 * L + 1 else (np.float32(c[i]) - fL) * step
-                    ds[i] = dv
-                    es[i] = xs[i] - dv
-            elif mode == 2:
-                ds = d[s:s + m]
-                for i in range(m):
-                    ds[i] = _F32_NAN if c[i] == 2 * L + 1 else (np.float32(c[i]) - fL) * step
-            else:
-                es = e[s:s + m]
-                for i in range(m):
-                    es[i] = xs[i] - (_F32_NAN if c[i] == 2 * L + 1 else (np.float32(c[i]) - fL) * step)
-
-
-@njit(**_JIT)
 def _signlevel_encode_fused(x, bs, s_, bits, l2, key, scale_out, packed, e, d, mode):
     n = x.size
     ys = np.empty(max(1, min(bs, n)), np.float32)
@@ -938,7 +899,7 @@ def _signlevel_encode_fused(x, bs, s_, bits, l2, key, scale_out, packed, e, d, m
 
 
 _FUSED_KERNELS = {"f16": _f16_encode_fused, "bf16": _bf16_encode_fused,
-              "minmax": _minmax_encode, "fixed": _fixed_encode_fused,
+              "minmax": _minmax_encode, "fixed": _fixed_encode,
               "signlevel": _signlevel_encode_fused, "onebit": _onebit_encode}
 
 

@@ -545,20 +545,21 @@ def fixed_decode(packed, n, bits, scale, out, add=False):
 # --- qsgd / terngrad -----------------------------------------------------------------------
 
 @njit(**_JIT)
-def _signlevel_encode(x, bs, s_, bits, l2, key, scale_out, packed):
+def _signlevel_encode(x, bs, s_, bits, l2, key, scale_out, packed, e, d, mode):
     n = x.size
-    xi = x.view(np.int32)
     c = np.empty(min(bs, n), np.uint8)
+    ys = np.empty(min(bs, n) if mode & 1 else 0, np.float32)
     w = np.empty(min(bs, n) // 2 + 4, np.uint32)
     wh = w.view(np.uint16)
     acc = np.zeros(LANES)
     sbit = np.uint8(1 << (bits - 1))
+    lmask = np.uint8(sbit - 1)
     fs = np.float32(s_)
     one = np.empty(1, np.int32)
     for b in range((n + bs - 1) // bs):
         s = b * bs
         m = min(bs, n - s)
-        xs = x[s:s + m]
+        xs = _ef_input(x, e, s, m, mode, ys)
         if l2:
             acc[:] = 0.0
             full = m // LANES
@@ -574,7 +575,7 @@ def _signlevel_encode(x, bs, s_, bits, l2, key, scale_out, packed):
             bad = not np.isfinite(total)
             scale = np.float32(0.0) if bad else np.float32(np.sqrt(total))
         else:
-            ks = xi[s:s + m]
+            ks = xs.view(np.int32)
             mk = np.int32(0)
             for i in range(m):
                 mk = max(mk, ks[i] & np.int32(0x7FFFFFFF))
@@ -594,36 +595,30 @@ def _signlevel_encode(x, bs, s_, bits, l2, key, scale_out, packed):
                 lv = np.uint8(min(np.floor(abs(v) * mul + _u(wh[i])), fs))
                 c[i] = lv | (sbit if (v < 0 and lv > 0) else np.uint8(0))
         _pack_into(c, m, bits, packed[(s // 8) * bits:])
+        if mode:
+            unit = np.float32(np.float64(scale_out[b]) / s_)
+            _ef_output(_SIGNLEVEL, c, unit, unit, lmask, xs, e, d, s, m, mode)
 
 
 def signlevel_encode(x, bs, s, bits, l2, key, scale_out, packed):
     if x.size:
-        _signlevel_encode(x, bs, s, bits, l2, key, scale_out, packed)
+        _signlevel_encode(x, bs, s, bits, l2, key, scale_out, packed, _NONE32, _NONE32, 0)
 
 
 @njit(**_JIT)
 def _signlevel_decode(packed, n, bs, s_, bits, scale, out, add):
     c = np.empty(min(bs, n), np.uint8)
     lmask = np.uint8((1 << (bits - 1)) - 1)
-    sbit = np.uint8(1 << (bits - 1))
     nbad = 0
     for b in range((n + bs - 1) // bs):
         s = b * bs
         m = min(bs, n - s)
         _unpack_into(packed[(s // 8) * bits:], m, bits, c)
-        o = out[s:s + m]
         unit = np.float32(np.float64(scale[b]) / s_)
         for i in range(m):
             lv = c[i] & lmask
             nbad += lv > s_
-        if add:
-            for i in range(m):
-                v = np.float32(c[i] & lmask) * unit
-                o[i] = (-v if (c[i] & sbit) else v) + o[i]
-        else:
-            for i in range(m):
-                v = np.float32(c[i] & lmask) * unit
-                o[i] = -v if (c[i] & sbit) else v
+        _decode_codes(_SIGNLEVEL, c, m, unit, unit, lmask, out[s:s + m], add)
     return nbad
 
 
@@ -823,84 +818,9 @@ def _f32_as_u32(typingctx, x):
     return types.uint32(types.float32), codegen
 
 
-@njit(**_JIT)
-def _signlevel_encode_fused(x, bs, s_, bits, l2, key, scale_out, packed, e, d, mode):
-    n = x.size
-    ys = np.empty(max(1, min(bs, n)), np.float32)
-    xi = x.view(np.int32)
-    c = np.empty(min(bs, n), np.uint8)
-    w = np.empty(min(bs, n) // 2 + 4, np.uint32)
-    wh = w.view(np.uint16)
-    acc = np.zeros(LANES)
-    sbit = np.uint8(1 << (bits - 1))
-    fs = np.float32(s_)
-    one = np.empty(1, np.int32)
-    for b in range((n + bs - 1) // bs):
-        s = b * bs
-        m = min(bs, n - s)
-        xs = x[s:s + m]
-        if mode & 1:
-            es = e[s:s + m]
-            for i in range(m):
-                ys[i] = xs[i] + es[i]
-            xs = ys[:m]
-        if l2:
-            acc[:] = 0.0
-            full = m // LANES
-            for t in range(full):
-                r = xs[t * LANES:(t + 1) * LANES]
-                for j in range(LANES):
-                    v = np.float64(r[j])
-                    acc[j] += v * v
-            for j in range(m - full * LANES):
-                v = np.float64(xs[full * LANES + j])
-                acc[j] += v * v
-            total = _fold(acc)
-            bad = not np.isfinite(total)
-            scale = np.float32(0.0) if bad else np.float32(np.sqrt(total))
-        else:
-            ks = xs.view(np.int32)
-            mk = np.int32(0)
-            for i in range(m):
-                mk = max(mk, ks[i] & np.int32(0x7FFFFFFF))
-            bad = mk >= _KEY_PINF
-            one[0] = 0 if bad else mk
-            scale = one.view(np.float32)[0]
-        ok = (not bad) and scale > 0
-        scale_out[b] = _F32_NAN if bad else scale
-        if not ok:
-            for i in range(m):
-                c[i] = 0
-        else:
-            mul = np.float32(min(s_ / np.float64(scale), _FLT_MAX))
-            _fill_bucket_words(key, s, m, w)
-            for i in range(m):
-                v = xs[i]
-                lv = np.uint8(min(np.floor(abs(v) * mul + _u(wh[i])), fs))
-                c[i] = lv | (sbit if (v < 0 and lv > 0) else np.uint8(0))
-        _pack_into(c, m, bits, packed[(s // 8) * bits:])
-        if mode:
-            unit = np.float32(np.float64(scale_out[b]) / s_)
-            lmask = np.uint8(sbit - 1)
-            if mode == 3:
-                ds, es = d[s:s + m], e[s:s + m]
-                for i in range(m):
-                    dv = -(np.float32(c[i] & lmask) * unit) if c[i] & sbit else np.float32(c[i] & lmask) * unit
-                    ds[i] = dv
-                    es[i] = xs[i] - dv
-            elif mode == 2:
-                ds = d[s:s + m]
-                for i in range(m):
-                    ds[i] = -(np.float32(c[i] & lmask) * unit) if c[i] & sbit else np.float32(c[i] & lmask) * unit
-            else:
-                es = e[s:s + m]
-                for i in range(m):
-                    es[i] = xs[i] - (-(np.float32(c[i] & lmask) * unit) if c[i] & sbit else np.float32(c[i] & lmask) * unit)
-
-
 _FUSED_KERNELS = {"f16": _f16_encode_fused, "bf16": _bf16_encode_fused,
               "minmax": _minmax_encode, "fixed": _fixed_encode,
-              "signlevel": _signlevel_encode_fused, "onebit": _onebit_encode}
+              "signlevel": _signlevel_encode, "onebit": _onebit_encode}
 
 
 def fused(kind, x, args, residual=None, decoded=None):

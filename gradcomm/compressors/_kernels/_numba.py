@@ -27,6 +27,10 @@ _KEY_NINF = np.int32(-0x7F800001)
 _FLT_MAX = float(np.finfo(np.float32).max)
 LANES = 64
 _JIT = dict(cache=True, nogil=True, error_model="numpy")
+#: this module has fused encoders: ``y = x + e`` is encoded; then ``e = y - decode`` and/or
+#: ``d = decode`` in the same pass over each bucket (see :func:`fused`)
+FUSED = True
+_NONE32 = np.zeros(1, np.float32)                      # stands for an absent e or d
 
 
 # --- random stream --------------------------------------------------------------------
@@ -211,12 +215,81 @@ def _f16_bits_to_f32(typingctx, x):
     return types.float32(types.uint16), codegen
 
 
+@njit(inline="always", **_JIT)
+def _f16_round(y):
+    """(half bits, their float32 value) of float32 ``y``: NaN becomes the canonical NaN
+    of its sign, which widens to the canonical float32 NaN."""
+    h = _f32_to_f16_bits(y)
+    if y != y:
+        h = np.uint16(0xFE00) if np.signbit(y) else np.uint16(0x7E00)
+    return h, _f16_bits_to_f32(h)
+
+
+@njit(inline="always", **_JIT)
+def _bf16_round(y):
+    """(bfloat16 bits, their float32 value) of float32 ``y``: round to nearest even; a NaN
+    keeps its sign and top payload bits, made quiet."""
+    b = _f32_as_u32(y)
+    if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+        h = np.uint16((b >> np.uint32(16)) | np.uint32(0x40))
+    else:
+        h = np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1)))
+                      >> np.uint32(16))
+    return h, _bf16_widen(h)
+
+
+@njit(inline="always", **_JIT)
+def _round16(y, bf16):
+    """``_bf16_round(y)`` if ``bf16`` is True, ``_f16_round(y)`` if it is None (the two
+    types compile apart: no branch is left in the loops)."""
+    if bf16 is None:
+        return _f16_round(y)
+    return _bf16_round(y)
+
+
 @njit(**_JIT)
+def _round16_encode(x, v, e, d, mode, bf16):
+    """v = the 16-bit codes of y (x, + e under mode & 1), e = y - decoded (mode & 1),
+    decoded into d (mode & 2) or into x (mode & 4: an aliased d defeats vectorization).
+    One loop per mode."""
+    n = x.size
+    if mode == 0:
+        for i in range(n):
+            v[i] = _round16(x[i], bf16)[0]
+    elif mode == 1:
+        for i in range(n):
+            y = x[i] + e[i]
+            h, f = _round16(y, bf16)
+            v[i] = h
+            e[i] = y - f
+    elif mode == 2:
+        for i in range(n):
+            h, f = _round16(x[i], bf16)
+            v[i] = h
+            d[i] = f
+    elif mode == 6:
+        for i in range(n):
+            h, f = _round16(x[i], bf16)
+            v[i] = h
+            x[i] = f
+    elif mode == 7:
+        for i in range(n):
+            y = x[i] + e[i]
+            h, f = _round16(y, bf16)
+            v[i] = h
+            e[i] = y - f
+            x[i] = f
+    else:
+        for i in range(n):
+            y = x[i] + e[i]
+            h, f = _round16(y, bf16)
+            v[i] = h
+            e[i] = y - f
+            d[i] = f
+
+
 def _f32_to_f16(x, out):
-    for i in range(x.size):
-        v = x[i]
-        h = _f32_to_f16_bits(v)
-        out[i] = h if v == v else (np.uint16(0xFE00) if np.signbit(v) else np.uint16(0x7E00))
+    _round16_encode(x, out, _NONE32, _NONE32, 0, None)
 
 
 @njit(**_JIT)
@@ -274,16 +347,8 @@ def f16_to_f32(h, out, add=False):
         _numpy.f16_to_f32(h, out, add)
 
 
-@njit(**_JIT)
 def f32_to_bf16(x, out):
-    xb = x.view(np.uint32)
-    for i in range(xb.size):
-        b = xb[i]
-        if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
-            out[i] = np.uint16((b >> np.uint32(16)) | np.uint32(0x40))
-        else:
-            out[i] = np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1)))
-                               >> np.uint32(16))
+    _round16_encode(x, out, _NONE32, _NONE32, 0, True)
 
 
 @njit(**_JIT)
@@ -304,10 +369,26 @@ def _u32_as_f32(typingctx, x):
     return types.float32(types.uint32), codegen
 
 
+@intrinsic
+def _f32_as_u32(typingctx, x):
+    """The bits of the float32 ``x``."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+    return types.uint32(types.float32), codegen
+
+
+@njit(inline="always", **_JIT)
+def _bf16_widen(h):
+    return _u32_as_f32(np.uint32(np.uint32(h) << np.uint32(16)))
+
+
 @njit(**_JIT)
 def _bf16_to_f32_add(h, out):
     for i in range(h.size):
-        out[i] = _u32_as_f32(np.uint32(np.uint32(h[i]) << np.uint32(16))) + out[i]
+        out[i] = _bf16_widen(h[i]) + out[i]
 
 
 def bf16_to_f32(h, out, add=False):
@@ -346,11 +427,9 @@ def _unkey(k, one):
 
 
 # --- error feedback around a bucket ----------------------------------------------------------
-#: this module has fused encoders: ``y = x + e`` is encoded; then ``e = y - decode`` and/or
-#: ``d = decode`` in the same pass over each bucket (see :func:`fused`). Every bucketed
-#: encoder is one kernel ``(x, ..., e, d, mode)``; the plain encoder is its ``mode`` 0.
-FUSED = True
-_NONE32 = np.zeros(1, np.float32)
+# Every encoder is one kernel ``(x, ..., e, d, mode)``: the plain encoder is its mode 0;
+# ``fused`` calls it with mode & 1 (encode y = x + e, then e = y - decoded) and/or mode & 2
+# (d = decoded), in the same pass over each bucket.
 _ONEBIT, _MINMAX, _FIXED, _SIGNLEVEL = 0, 1, 2, 3
 
 
@@ -713,114 +792,9 @@ def onebit_decode(packed, n, bs, pos, neg, out, add=False):
 
 # --- fused compression (error feedback, round trips) ----------------------------------------
 
-@njit(inline="always", **_JIT)
-def _f16_round(y):
-    """(half bits, their float32 value) of float32 ``y``: NaN becomes the canonical NaN
-    of its sign, which widens to the canonical float32 NaN."""
-    h = _f32_to_f16_bits(y)
-    if y != y:
-        h = np.uint16(0xFE00) if np.signbit(y) else np.uint16(0x7E00)
-    return h, _f16_bits_to_f32(h)
-
-
-@njit(**_JIT)
-def _f16_encode_fused(x, v, e, d, mode):
-    # mode 4: decoded is x itself, written through x (an aliased d defeats vectorization)
-    n = x.size
-    if mode == 1:
-        for i in range(n):
-            y = x[i] + e[i]
-            h, f = _f16_round(y)
-            v[i] = h
-            e[i] = y - f
-    elif mode == 2:
-        for i in range(n):
-            h, f = _f16_round(x[i])
-            v[i] = h
-            d[i] = f
-    elif mode == 6:
-        for i in range(n):
-            h, f = _f16_round(x[i])
-            v[i] = h
-            x[i] = f
-    elif mode == 7:
-        for i in range(n):
-            y = x[i] + e[i]
-            h, f = _f16_round(y)
-            v[i] = h
-            e[i] = y - f
-            x[i] = f
-    else:
-        for i in range(n):
-            y = x[i] + e[i]
-            h, f = _f16_round(y)
-            v[i] = h
-            e[i] = y - f
-            d[i] = f
-
-
-@njit(inline="always", **_JIT)
-def _bf16_round(y):
-    """(bfloat16 bits, their float32 value) of float32 ``y``, as f32_to_bf16 rounds."""
-    b = _f32_as_u32(y)
-    if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
-        h = np.uint16((b >> np.uint32(16)) | np.uint32(0x40))
-    else:
-        h = np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1)))
-                      >> np.uint32(16))
-    return h, _u32_as_f32(np.uint32(np.uint32(h) << np.uint32(16)))
-
-
-@njit(**_JIT)
-def _bf16_encode_fused(x, v, e, d, mode):
-    # mode 4: decoded is x itself, written through x (an aliased d defeats vectorization)
-    n = x.size
-    if mode == 1:
-        for i in range(n):
-            y = x[i] + e[i]
-            h, f = _bf16_round(y)
-            v[i] = h
-            e[i] = y - f
-    elif mode == 2:
-        for i in range(n):
-            h, f = _bf16_round(x[i])
-            v[i] = h
-            d[i] = f
-    elif mode == 6:
-        for i in range(n):
-            h, f = _bf16_round(x[i])
-            v[i] = h
-            x[i] = f
-    elif mode == 7:
-        for i in range(n):
-            y = x[i] + e[i]
-            h, f = _bf16_round(y)
-            v[i] = h
-            e[i] = y - f
-            x[i] = f
-    else:
-        for i in range(n):
-            y = x[i] + e[i]
-            h, f = _bf16_round(y)
-            v[i] = h
-            e[i] = y - f
-            d[i] = f
-
-
-@intrinsic
-def _f32_as_u32(typingctx, x):
-    """The bits of the float32 ``x``."""
-    if x != types.float32:
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-    return types.uint32(types.float32), codegen
-
-
-_FUSED_KERNELS = {"f16": _f16_encode_fused, "bf16": _bf16_encode_fused,
-              "minmax": _minmax_encode, "fixed": _fixed_encode,
-              "signlevel": _signlevel_encode, "onebit": _onebit_encode}
+_FUSED_KERNELS = {"minmax": _minmax_encode, "fixed": _fixed_encode,
+                  "signlevel": _signlevel_encode, "onebit": _onebit_encode}
+_ROUND16 = {"f16": None, "bf16": True}
 
 
 def fused(kind, x, args, residual=None, decoded=None):
@@ -833,10 +807,12 @@ def fused(kind, x, args, residual=None, decoded=None):
     mode = (residual is not None) | 2 * (decoded is not None)
     e = residual if residual is not None else _NONE32
     d = decoded if decoded is not None else _NONE32
-    if kind in ("f16", "bf16") and decoded is not None and \
-            decoded.ctypes.data == x.ctypes.data:
-        mode, d = mode | 4, _NONE32
-    _FUSED_KERNELS[kind](x, *args, e, d, mode)
+    if kind in _ROUND16:
+        if decoded is not None and decoded.ctypes.data == x.ctypes.data:
+            mode, d = mode | 4, _NONE32
+        _round16_encode(x, *args, e, d, mode, _ROUND16[kind])
+    else:
+        _FUSED_KERNELS[kind](x, *args, e, d, mode)
 
 
 # --- topk / randomk ------------------------------------------------------------------------

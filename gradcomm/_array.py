@@ -16,9 +16,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ContextManager
 
 import numpy as np
 
@@ -277,7 +278,8 @@ def sync(buf: Any) -> None:
         return
     cupy = sys.modules.get("cupy")
     if cupy is not None and isinstance(buf, cupy.ndarray):
-        cupy.cuda.get_current_stream().synchronize()
+        with buf.device:                # the current stream of buf's device, not of the
+            cupy.cuda.get_current_stream().synchronize()     # thread's current device
         return
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(buf, torch.Tensor) and buf.is_cuda:
@@ -456,6 +458,46 @@ def copy_from_host(x: Any, data: np.ndarray) -> None:
 # numpy-like namespace (the array API, through ``array_api_compat``) and run on numpy,
 # cupy and torch arrays, CPU or CUDA. The few things that namespace lacks are here.
 
+def device_scope(*arrays: Any) -> ContextManager[Any]:
+    """A context in which the library of the first cupy array among ``arrays`` creates
+    arrays and runs kernels on that array's device; a no-op without one.
+
+    cupy allocates and launches on the *current* device whatever its operands' device
+    (``array_api_compat``'s cupy creation functions ignore ``device=``), so code that
+    makes new arrays next to a cupy array on another device must run in this scope.
+    torch ops run on their operands' device and creation takes ``device=``: no-op.
+
+    Example:
+        >>> import numpy as np
+        >>> with device_scope(np.zeros(1), 3):
+        ...     pass
+    """
+    cupy = sys.modules.get("cupy")
+    if cupy is not None:
+        for a in arrays:
+            if isinstance(a, cupy.ndarray):
+                return a.device         # a cupy.cuda.Device: a context manager
+    return contextlib.nullcontext()
+
+
+def device_scoped(fn: Any) -> Any:
+    """Decorator: run ``fn`` in the :func:`device_scope` of its positional arguments (the
+    device kernels: new cupy arrays and kernels go where the data is).
+
+    Example:
+        >>> import numpy as np
+        >>> device_scoped(lambda a: a + 1)(np.ones(1)).tolist()
+        [2.0]
+    """
+    import functools
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with device_scope(*args):
+            return fn(*args, **kwargs)
+    return run
+
+
 def namespace(x: Any) -> Any:
     """The array-API namespace of ``x`` (numpy, cupy or torch flavour).
 
@@ -623,7 +665,8 @@ def flat(a: Any) -> Any:
         return a.detach().contiguous().reshape(-1)
     import cupy
 
-    return cupy.ascontiguousarray(a).reshape(-1)
+    with a.device:
+        return cupy.ascontiguousarray(a).reshape(-1)
 
 
 def cast(a: Any, dtype: str) -> Any:
@@ -636,7 +679,8 @@ def cast(a: Any, dtype: str) -> Any:
     """
     if kind(a) == "torch":
         return a.to(_torch_dtype(dtype))
-    return a.astype(dtype)
+    with device_scope(a):
+        return a.astype(dtype)
 
 
 def assign(out: Any, v: Any) -> None:
@@ -659,7 +703,8 @@ def assign(out: Any, v: Any) -> None:
         else:
             out.copy_(v)
     else:
-        out[...] = v
+        with device_scope(out):
+            out[...] = v
 
 
 def divide_(a: Any, p: int) -> None:
@@ -675,11 +720,14 @@ def divide_(a: Any, p: int) -> None:
     if kind(a) == "torch":
         import torch
 
-        a.div_(torch.tensor(p, dtype=a.dtype, device=a.device))
+        # torch.full, not torch.tensor: a fill kernel, where torch.tensor(p, device=cuda)
+        # is a blocking host-to-device copy that synchronises the stream
+        a.div_(torch.full((), p, dtype=a.dtype, device=a.device))
     elif isinstance(a, np.ndarray):
         np.divide(a, a.dtype.type(p), out=a)
     else:
-        a /= a.dtype.type(p)
+        with device_scope(a):
+            a /= a.dtype.type(p)
 
 
 def subtract(a: Any, b: Any, out: Any) -> None:
@@ -702,7 +750,8 @@ def subtract(a: Any, b: Any, out: Any) -> None:
     else:
         import cupy
 
-        cupy.subtract(a, b, out=out)
+        with out.device:
+            cupy.subtract(a, b, out=out)
 
 
 def clone(a: Any) -> Any:
@@ -714,8 +763,12 @@ def clone(a: Any) -> Any:
         ([0.0, 0.0], [1.0, 0.0])
     """
     if kind(a) == "torch":
+        twin = _TORCH_BAREBONES.get(dtype_name(a))
+        if twin is not None:                # copied as its signed twin, viewed back
+            return a.detach().view(_torch_dtype(twin)).clone().view(a.dtype)
         return a.detach().clone()
-    return a.copy()
+    with device_scope(a):
+        return a.copy()
 
 
 #: ``GRADCOMM_CODEC_PLACEMENT``: "auto" (codecs run on the device for CUDA arrays, on the
@@ -801,7 +854,8 @@ def kth_smallest(a: Any, j: int) -> Any:
     if k == "cupy":
         import cupy
 
-        return cupy.partition(a, j)[j]
+        with a.device:                      # a copy, sorted in full by older cupy
+            return cupy.partition(a, j)[j]
     return np.partition(a, j)[j]
 
 

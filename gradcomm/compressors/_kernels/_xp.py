@@ -55,6 +55,14 @@ _BLOCKS = 1 << 22
 
 # --- helpers ------------------------------------------------------------------------------
 
+def _kernel(fn: Any) -> Any:
+    """A public kernel: numpy's floating-point warnings off (NaN and inf are handled), and
+    on cupy, run on the device of the data (cupy creates arrays and launches kernels on
+    the *current* device, and ``array_api_compat``'s cupy creation functions ignore
+    ``device=``)."""
+    return _quiet(_array.device_scoped(fn))
+
+
 def _dev(a: Any) -> Any:
     """``a``'s device, for the namespace's creation functions."""
     return array_api_compat.device(a)
@@ -87,8 +95,19 @@ def _quieted(v: Any) -> Any:
 
 
 def _const(xp: Any, value: float, dtype: Any, dev: Any) -> Any:
-    """A 0-d array (typed scalar for ``where``/``minimum``: no library's promotion rules)."""
-    return xp.asarray(value, dtype=dtype, device=dev)
+    """A 0-d array on ``dev`` (a typed scalar for ``where``/``minimum``: no library's
+    promotion rules; and a divisor on the data's device: see the int8 section). Made by
+    ``full``, a fill kernel: ``asarray`` of a Python scalar is a host-to-device copy,
+    which torch makes blocking (it synchronises the stream)."""
+    return xp.full((), value, dtype=dtype, device=dev)
+
+
+def _clip(xp: Any, v: Any, lo: float, hi: float) -> Any:
+    """``clip(v, lo, hi)`` of a float32 array (NaN stays NaN) as ``minimum(maximum())``
+    with 0-d bounds: ``array_api_compat``'s cupy ``clip`` works through boolean-mask
+    writes (each a synchronisation) and numpy's through promotion rules."""
+    dev = _dev(v)
+    return xp.minimum(xp.maximum(v, _const(xp, lo, v.dtype, dev)), _const(xp, hi, v.dtype, dev))
 
 
 def _store_u16(out: Any, r: Any) -> None:
@@ -167,6 +186,7 @@ def _philox(c0: Any, c1: Any, c2: Any, c3: Any, k0: int, k1: int) -> tuple:
     return c0, c1, c2, c3
 
 
+@_kernel
 def philox_words(key: np.ndarray, start: int, count: int, like: Any) -> Any:
     """Words ``start .. start+count-1`` of the Philox4x32-10 stream keyed by ``key``, as
     int64 values 0..2^32-1 in an array of ``like``'s kind and device.
@@ -194,6 +214,7 @@ def philox_words(key: np.ndarray, start: int, count: int, like: Any) -> Any:
     return _cat(xp, parts)[off:off + count]
 
 
+@_kernel
 def dither(key: np.ndarray, start: int, count: int, like: Any) -> Any:
     """float32 dither ``(d + 0.5) / 2^16`` of elements ``start .. start+count-1``, as an
     array of ``like``'s kind and device."""
@@ -209,6 +230,7 @@ def dither(key: np.ndarray, start: int, count: int, like: Any) -> Any:
 
 # --- bit packing ----------------------------------------------------------------------
 
+@_kernel
 def pack(codes: Any, bits: int, out: Any = None) -> Any:
     """``bits``-bit codes (uint8, each < 2**bits) into a little-endian bit stream."""
     xp, dev = _array.namespace(codes), _dev(codes)
@@ -234,6 +256,7 @@ def pack(codes: Any, bits: int, out: Any = None) -> Any:
     return out
 
 
+@_kernel
 def unpack(packed: Any, n: int, bits: int) -> Any:
     """Inverse of :func:`pack`: ``n`` codes of ``bits`` bits as uint8."""
     xp, dev = _array.namespace(packed), _dev(packed)
@@ -271,7 +294,7 @@ def _to_odd_f32(x: Any) -> Any:
     return _array.bitcast(xp.where(fix, bits + step, bits), "float32")
 
 
-@_quiet
+@_kernel
 def f32_to_f16(x: Any, out: Any) -> None:
     """Round float32/64 to float16 bits in ``out`` (uint16; IEEE, to nearest even; overflow
     gives +-inf; NaN becomes the canonical quiet NaN ``0x7E00`` with its sign)."""
@@ -283,7 +306,7 @@ def f32_to_f16(x: Any, out: Any) -> None:
                                                    _array.bitcast(x16, "int16")))
 
 
-@_quiet
+@_kernel
 def f16_to_f32(h: Any, out: Any, add: bool = False) -> None:
     """Widen float16 bits (uint16) to float32 (exact; NaN becomes the canonical quiet NaN
     with its sign); ``add``: ``out = widen(h) + out``."""
@@ -296,6 +319,7 @@ def f16_to_f32(h: Any, out: Any, add: bool = False) -> None:
     _put(w, out, add, nan, _array.bitcast(canon, "float32"))
 
 
+@_kernel
 def f32_to_bf16(x: Any, out: Any) -> None:
     """Round float32 to bfloat16 bits in ``out`` (uint16; to nearest even; NaN stays a
     quiet NaN)."""
@@ -306,7 +330,7 @@ def f32_to_bf16(x: Any, out: Any) -> None:
     _store_u16(out, xp.where(x != x, hi | 0x40, r))
 
 
-@_quiet
+@_kernel
 def bf16_to_f32(h: Any, out: Any, add: bool = False) -> None:
     """Widen bfloat16 bits (uint16) to float32 (exact); ``add``: ``out = widen(h) + out``."""
     xp = _array.namespace(h)
@@ -323,7 +347,6 @@ def bf16_to_f32(h: Any, out: Any, add: bool = False) -> None:
 # turns ``t / 3.0`` into ``t * (1 / 3.0)``, and ``3.0 / t`` into ``reciprocal(t) * 3.0``
 # everywhere; both round differently from an IEEE division.
 
-@_quiet
 def _minmax_encode(x: Any, start: int, bs: int, bits: int, stochastic: bool,
                    key: np.ndarray, lo_out: Any, unit_out: Any, packed: Any) -> None:
     n, L = _array.size(x), (1 << bits) - 1
@@ -351,13 +374,12 @@ def _minmax_encode(x: Any, start: int, bs: int, bits: int, stochastic: bool,
     for i, (b, _, p) in enumerate(_rows(xp, x, n, bs)):
         r = p.shape[0]
         y = (p - lo[b:b + r, None]) * inv[b:b + r, None]
-        q = xp.clip(xp.floor(y + (u[i][2] if stochastic else 0.5)), 0, L)
+        q = _clip(xp, xp.floor(y + (u[i][2] if stochastic else 0.5)), 0, L)
         q = xp.where(ok[b:b + r, None], q, zero)
         codes.append(xp.reshape(xp.astype(q, xp.uint8), (-1,)))
     pack(_cat(xp, codes), bits, packed)
 
 
-@_quiet
 def _minmax_decode(packed: Any, n: int, bs: int, bits: int, lo: Any, unit: Any, out: Any,
                    add: bool = False) -> int:
     xp = _array.namespace(packed)
@@ -375,7 +397,6 @@ def _minmax_decode(packed: Any, n: int, bs: int, bits: int, lo: Any, unit: Any, 
 
 # --- int8 with a fixed, shared scale (summable) ------------------------------------------
 
-@_quiet
 def _fixed_encode(x: Any, start: int, bits: int, scale: float, stochastic: bool,
                   key: np.ndarray, packed: Any) -> None:
     n, L = _array.size(x), (1 << (bits - 1)) - 1
@@ -383,12 +404,11 @@ def _fixed_encode(x: Any, start: int, bits: int, scale: float, stochastic: bool,
     mul = float(np.float32(min(L / scale, FLT_MAX)))       # float32 values: exact scalars
     t = x * mul
     u = dither(key, start, n, x) if stochastic else 0.5
-    q = xp.clip(xp.floor(t + u), -L, L) + L
+    q = _clip(xp, xp.floor(t + u), -L, L) + L
     q = xp.where(xp.isfinite(x), q, _const(xp, 2 * L + 1, xp.float32, dev))   # the NaN code
     pack(xp.astype(q, xp.uint8), bits, packed)
 
 
-@_quiet
 def _fixed_decode(packed: Any, n: int, bits: int, scale: float, out: Any,
                   add: bool = False) -> int:
     L = (1 << (bits - 1)) - 1
@@ -402,7 +422,6 @@ def _fixed_decode(packed: Any, n: int, bits: int, scale: float, out: Any,
 
 # --- qsgd / terngrad: sign + level, per-bucket scale ------------------------------------------
 
-@_quiet
 def _signlevel_encode(x: Any, start: int, bs: int, s: int, bits: int, l2: bool,
                       key: np.ndarray, scale_out: Any, packed: Any) -> None:
     n = _array.size(x)
@@ -440,7 +459,6 @@ def _signlevel_encode(x: Any, start: int, bs: int, s: int, bits: int, l2: bool,
     pack(_cat(xp, codes), bits, packed)
 
 
-@_quiet
 def _signlevel_decode(packed: Any, n: int, bs: int, s: int, bits: int, scale: Any,
                       out: Any, add: bool = False) -> int:
     """Returns the number of codes whose level exceeds ``s`` (a corrupt payload)."""
@@ -465,7 +483,6 @@ def _signlevel_decode(packed: Any, n: int, bs: int, s: int, bits: int, scale: An
 
 # --- onebit: sign bit, per-bucket means of the two groups ---------------------------------
 
-@_quiet
 def _onebit_encode(x: Any, start: int, bs: int, pos_out: Any, neg_out: Any,
                    packed: Any) -> None:
     n = _array.size(x)
@@ -494,7 +511,6 @@ def _onebit_encode(x: Any, start: int, bs: int, pos_out: Any, neg_out: Any,
     pack(xp.astype(_cat(xp, bit), xp.uint8), 1, packed)
 
 
-@_quiet
 def _onebit_decode(packed: Any, n: int, bs: int, pos: Any, neg: Any, out: Any,
                    add: bool = False) -> int:
     xp = _array.namespace(packed)
@@ -513,6 +529,7 @@ def _onebit_decode(packed: Any, n: int, bs: int, pos: Any, neg: Any, out: Any,
 
 # --- chunk drivers (the public quantizer kernels) ----------------------------------------
 
+@_kernel
 def minmax_encode(x, bs, bits, stochastic, key, lo_out, unit_out, packed) -> None:
     for s, m in _chunks(x, _array.size(x), bs):
         b, nb, p = s // bs, -(-m // bs), s * bits // 8
@@ -520,6 +537,7 @@ def minmax_encode(x, bs, bits, stochastic, key, lo_out, unit_out, packed) -> Non
                        unit_out[b:b + nb], packed[p:p + (m * bits + 7) // 8])
 
 
+@_kernel
 def minmax_decode(packed, n, bs, bits, lo, unit, out, add=False) -> int:
     for s, m in _chunks(packed, n, bs):
         b, nb, p = s // bs, -(-m // bs), s * bits // 8
@@ -528,6 +546,7 @@ def minmax_decode(packed, n, bs, bits, lo, unit, out, add=False) -> int:
     return 0
 
 
+@_kernel
 def fixed_encode(x, bits, scale, stochastic, key, packed) -> None:
     for s, m in _chunks(x, _array.size(x), 8):
         p = s * bits // 8
@@ -535,6 +554,7 @@ def fixed_encode(x, bits, scale, stochastic, key, packed) -> None:
                       packed[p:p + (m * bits + 7) // 8])
 
 
+@_kernel
 def fixed_decode(packed, n, bits, scale, out, add=False) -> int:
     for s, m in _chunks(packed, n, 8):
         p = s * bits // 8
@@ -542,6 +562,7 @@ def fixed_decode(packed, n, bits, scale, out, add=False) -> int:
     return 0
 
 
+@_kernel
 def signlevel_encode(x, bs, s_, bits, l2, key, scale_out, packed) -> None:
     for s, m in _chunks(x, _array.size(x), bs):
         b, nb, p = s // bs, -(-m // bs), s * bits // 8
@@ -549,6 +570,7 @@ def signlevel_encode(x, bs, s_, bits, l2, key, scale_out, packed) -> None:
                           packed[p:p + (m * bits + 7) // 8])
 
 
+@_kernel
 def signlevel_decode(packed, n, bs, s_, bits, scale, out, add=False) -> int:
     bad = 0
     for s, m in _chunks(packed, n, bs):
@@ -558,6 +580,7 @@ def signlevel_decode(packed, n, bs, s_, bits, scale, out, add=False) -> int:
     return bad
 
 
+@_kernel
 def onebit_encode(x, bs, pos_out, neg_out, packed) -> None:
     for s, m in _chunks(x, _array.size(x), bs):
         b, nb = s // bs, -(-m // bs)
@@ -565,6 +588,7 @@ def onebit_encode(x, bs, pos_out, neg_out, packed) -> None:
                        packed[s // 8:s // 8 + (m + 7) // 8])
 
 
+@_kernel
 def onebit_decode(packed, n, bs, pos, neg, out, add=False) -> int:
     for s, m in _chunks(packed, n, bs):
         b, nb = s // bs, -(-m // bs)

@@ -58,6 +58,7 @@ def _dev(x: Any) -> Any:
     return array_api_compat.device(x)
 
 
+@_array.device_scoped
 def abs_keys(x: Any) -> Any:
     """Integer keys ordered like ``|x|``, NaN above +inf (float16/32/64): the float bits
     with the sign cleared, as the signed integer of x's item size (non-negative, so the
@@ -76,6 +77,7 @@ def _itemsize(x: Any) -> int:
     return {"float16": 2, "float32": 4, "float64": 8}[_array.dtype_name(x)]
 
 
+@_array.device_scoped
 def topk_select(x: Any, k: int) -> tuple[Any, Any]:
     """The ``k`` largest ``|x|`` (NaN largest; ties to the lower index), index order.
 
@@ -107,14 +109,17 @@ def topk_select(x: Any, k: int) -> tuple[Any, Any]:
     return idx, xp.take(x, idx)
 
 
+@_array.device_scoped
 def scatter(out: Any, idx: Any, vals: Any, add: bool) -> int:
     """``out[idx] = vals`` (or ``+=``) after checking 0 <= idx < n, strictly increasing.
 
     Returns 0, or 1 (nothing written) when the indices are invalid. On a device the check
-    costs one synchronisation (a reduction read back as a Python bool). With ``add``, a
-    NaN sum gets the bits numpy gives on this host whatever the device (a NaN ``out``
-    element quietened, else a NaN value quietened, else the host's NaN of inf - inf; for
-    NaN + NaN numpy's own pick varies between its SIMD and scalar loops, ours is ``out``'s).
+    costs one synchronisation (a reduction read back as a Python bool), the only one.
+    With ``add``, a NaN sum gets the bits numpy gives on this host whatever the device (a
+    NaN ``out`` element quietened, else a NaN value quietened, else the host's NaN of
+    inf - inf; for NaN + NaN numpy's own pick varies between its SIMD and scalar loops,
+    ours is ``out``'s): on host arrays where a sum is NaN, elsewhere always (no
+    synchronisation to find out).
 
     Example:
         >>> import numpy as np
@@ -141,7 +146,7 @@ def scatter(out: Any, idx: Any, vals: Any, add: bool) -> int:
     with np.errstate(all="ignore"):                 # numpy: inf - inf and the like
         r = a + vals
     nan = xp.isnan(r)
-    if bool(xp.any(nan)):
+    if not _array.is_host(r) or bool(xp.any(nan)):
         r = _host_nans(a, vals, r, nan)
     out[i] = r
     return 0
@@ -161,6 +166,7 @@ def _host_nans(a: Any, b: Any, r: Any, nan: Any) -> Any:
     return _array.bitcast(xp.where(nan, fix, _array.bitcast(r, name)), _array.dtype_name(r))
 
 
+@_array.device_scoped
 def randomk_indices(key: np.ndarray, n: int, k: int, like: Any) -> Any:
     """The ``k`` of ``range(n)`` that random-k keeps, ascending (int64, of ``like``'s kind
     and device): the reference's draws (see :func:`._numpy.randomk_indices`), the first
@@ -203,7 +209,8 @@ def randomk_indices(key: np.ndarray, n: int, k: int, like: Any) -> Any:
     if m == k:
         return xp.sort(chosen)
     keep = xp.ones(n, dtype=xp.bool, device=dev)
-    keep[chosen] = False
+    # a 0-d device False: torch writes a Python scalar through a blocking host copy
+    keep[chosen] = xp.zeros((), dtype=xp.bool, device=dev)
     return xp.astype(xp.nonzero(keep)[0], xp.int64, copy=False)
 
 
@@ -232,6 +239,7 @@ def _draw(lo: Any, hi: Any, n: int) -> Any:
     return (r + lo) % n
 
 
+@_array.device_scoped
 def all_finite(x: Any) -> bool:
     """Whether no element of ``x`` is NaN or +-inf (one synchronisation on a device).
 

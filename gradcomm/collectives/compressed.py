@@ -965,6 +965,7 @@ def compressed_allreduce(t: Transport, buf: np.ndarray, dtype: str, *, op: str,
     return out
 
 
+@_array.device_scoped            # cupy: kernels and new arrays on buf's device
 def _run(t: Transport, buf: np.ndarray, dtype: str, op: str, algorithm: str,
          codec: Compressor, seed: int, step: int, ef: ErrorFeedback | None, key: str
          ) -> np.ndarray:

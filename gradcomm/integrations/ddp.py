@@ -658,7 +658,7 @@ def comm_hook(state: CommHookState, bucket):  # type: ignore[no-untyped-def]
         work = state._hook_library(buf)     # a device group's own allreduce starts here
         if buf.is_cuda and work is None:
             event = torch.cuda.Event()
-            event.record()
+            event.record(torch.cuda.current_stream(buf.device))   # buf's device's stream
         state._submit(lambda: state._bucket(buf, keys, lengths, last, fut, event, work))
     except BaseException as exc:
         fut.set_exception(exc)

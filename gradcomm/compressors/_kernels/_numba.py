@@ -49,14 +49,19 @@ def _philox(c0, c1, c2, c3, k0, k1):
     return np.uint32(c0), np.uint32(c1), np.uint32(c2), np.uint32(c3)
 
 
+@njit(inline="always", **_JIT)
+def _block(key, b):
+    """Block ``b`` (uint64) of the stream of ``key`` (four uint32 words, array or tuple)."""
+    return _philox(np.uint32(b & np.uint64(0xFFFFFFFF)), np.uint32(b >> np.uint64(32)),
+                   key[2], key[3], key[0], key[1])
+
+
 @njit(**_JIT)
 def _fill_words(key, block0, out):
     """out[4j .. 4j+3] = block ``block0 + j`` of the stream."""
-    k0, k1, c2, c3 = key[0], key[1], key[2], key[3]
+    k = (key[0], key[1], key[2], key[3])            # not reloaded after each store to out
     for j in range(out.size // 4):
-        b = np.uint64(block0 + j)
-        w0, w1, w2, w3 = _philox(np.uint32(b & np.uint64(0xFFFFFFFF)),
-                                 np.uint32(b >> np.uint64(32)), c2, c3, k0, k1)
+        w0, w1, w2, w3 = _block(k, np.uint64(block0 + j))
         out[4 * j] = w0
         out[4 * j + 1] = w1
         out[4 * j + 2] = w2
@@ -71,19 +76,11 @@ def philox_words(key: np.ndarray, start: int, count: int) -> np.ndarray:
     return buf[start - 4 * b0:start - 4 * b0 + count].copy()
 
 
-@njit(**_JIT)
+@njit(inline="always", **_JIT)
 def _fill_bucket_words(key, start, m, w):
     """w[0 : 4*ceil(m/8)] = stream words of elements start .. start+m-1 (start % 8 == 0);
     element i's dither is then ``_u(w.view(uint16)[i])``."""
-    g0 = start // 8
-    for t in range((m + 7) // 8):
-        b = np.uint64(g0 + t)
-        w0, w1, w2, w3 = _philox(np.uint32(b & np.uint64(0xFFFFFFFF)),
-                                 np.uint32(b >> np.uint64(32)), key[2], key[3], key[0], key[1])
-        w[4 * t] = w0
-        w[4 * t + 1] = w1
-        w[4 * t + 2] = w2
-        w[4 * t + 3] = w3
+    _fill_words(key, start // 8, w[:4 * ((m + 7) // 8)])
 
 
 @njit(inline="always", **_JIT)
@@ -194,25 +191,27 @@ def unpack(packed: np.ndarray, n: int, bits: int) -> np.ndarray:
 
 # --- float casts ------------------------------------------------------------------------
 
-@intrinsic
-def _f32_to_f16_bits(typingctx, x):
-    """IEEE float32 -> float16 bits (LLVM fptrunc: F16C's vcvtps2ph on x86)."""
-    if x != types.float32:
-        return None
+def _unary(name, src, dst, op):
+    """An intrinsic ``name(x)`` of type ``dst(src)``: the LLVM value ``op(builder, x)``."""
+    def typer(typingctx, x):
+        if x != src:
+            return None
+        return dst(src), lambda context, builder, signature, args: op(builder, args[0])
+    typer.__name__ = typer.__qualname__ = name
+    return intrinsic(typer)
 
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
-    return types.uint16(types.float32), codegen
 
-
-@intrinsic
-def _f16_bits_to_f32(typingctx, x):
-    if x != types.uint16:
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
-    return types.float32(types.uint16), codegen
+_I16, _I32, _F16, _F32 = ir.IntType(16), ir.IntType(32), ir.HalfType(), ir.FloatType()
+#: IEEE float32 -> float16 bits (LLVM fptrunc: F16C's vcvtps2ph on x86), and back
+_f32_to_f16_bits = _unary("_f32_to_f16_bits", types.float32, types.uint16,
+                          lambda b, x: b.bitcast(b.fptrunc(x, _F16), _I16))
+_f16_bits_to_f32 = _unary("_f16_bits_to_f32", types.uint16, types.float32,
+                          lambda b, x: b.fpext(b.bitcast(x, _F16), _F32))
+#: the float32 whose bits are the uint32 ``x``, and back
+_u32_as_f32 = _unary("_u32_as_f32", types.uint32, types.float32,
+                     lambda b, x: b.bitcast(x, _F32))
+_f32_as_u32 = _unary("_f32_as_u32", types.float32, types.uint32,
+                     lambda b, x: b.bitcast(x, _I32))
 
 
 @njit(inline="always", **_JIT)
@@ -356,28 +355,6 @@ def _bf16_to_f32(h, out):
     ob = out.view(np.uint32)
     for i in range(h.size):
         ob[i] = np.uint32(h[i]) << np.uint32(16)
-
-
-@intrinsic
-def _u32_as_f32(typingctx, x):
-    """The float32 whose bits are the uint32 ``x``."""
-    if x != types.uint32:
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
-    return types.float32(types.uint32), codegen
-
-
-@intrinsic
-def _f32_as_u32(typingctx, x):
-    """The bits of the float32 ``x``."""
-    if x != types.float32:
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-    return types.uint32(types.float32), codegen
 
 
 @njit(inline="always", **_JIT)
@@ -935,36 +912,33 @@ def _randomk_mark(key, n, m, bitmap):
     got = 0
     b = np.uint64(0)
     while got < m:
-        w0, w1, w2, w3 = _philox(np.uint32(b & np.uint64(0xFFFFFFFF)),
-                                 np.uint32(b >> np.uint64(32)), key[2], key[3], key[0], key[1])
+        w0, w1, w2, w3 = _block(key, b)
         b += np.uint64(1)
-        r = _draw(w0, w1, n)
-        word = r >> np.uint64(6)
-        bit = np.uint64(1) << (r & np.uint64(63))
-        if not bitmap[word] & bit:
-            bitmap[word] |= bit
-            got += 1
+        got += _mark(bitmap, _draw(w0, w1, n))
         if got < m:
-            r = _draw(w2, w3, n)
-            word = r >> np.uint64(6)
-            bit = np.uint64(1) << (r & np.uint64(63))
-            if not bitmap[word] & bit:
-                bitmap[word] |= bit
-                got += 1
+            got += _mark(bitmap, _draw(w2, w3, n))
 
 
-@intrinsic
-def _cttz(typingctx, x):
-    """Count of trailing zero bits of a uint64 (llvm.cttz)."""
-    if x != types.uint64:
-        return None
+@njit(inline="always", **_JIT)
+def _mark(bitmap, r):
+    """Set bit ``r`` of bitmap; 1 if it was clear, else 0."""
+    word = r >> np.uint64(6)
+    bit = np.uint64(1) << (r & np.uint64(63))
+    if bitmap[word] & bit:
+        return 0
+    bitmap[word] |= bit
+    return 1
 
-    def codegen(context, builder, signature, args):
-        i64 = ir.IntType(64)
-        fnty = ir.FunctionType(i64, [i64, ir.IntType(1)])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.cttz.i64")
-        return builder.call(fn, [args[0], ir.Constant(ir.IntType(1), 0)])
-    return types.uint64(types.uint64), codegen
+
+def _cttz_ir(builder, x):
+    i64 = ir.IntType(64)
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i64, [i64, ir.IntType(1)]),
+                                        "llvm.cttz.i64")
+    return builder.call(fn, [x, ir.Constant(ir.IntType(1), 0)])
+
+
+#: count of trailing zero bits of a uint64 (llvm.cttz)
+_cttz = _unary("_cttz", types.uint64, types.uint64, _cttz_ir)
 
 
 @njit(**_JIT)

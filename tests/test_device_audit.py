@@ -21,8 +21,10 @@ differs or costs on CUDA:
   counted per call site: the tests bound them (a per-bucket read would be a per-bucket
   synchronisation on a GPU).
 
-What this cannot show (see bench/gpu_check.py for the GPU): CUDA's arithmetic itself
-(canonical NaNs, IEEE division), its dtype coverage, streams, and anything cupy.
+What this cannot show: CUDA's arithmetic itself (canonical NaNs, IEEE division), its dtype
+coverage, streams, and anything cupy. The last tests run where a GPU is (torch CUDA, cupy):
+the quantizers must queue their kernels without a single device synchronisation (torch's
+sync debug mode, ``cupyx.allow_synchronize(False)``), and division must be IEEE there.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ pytest.importorskip("array_api_compat")
 
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
+from tests._devices import GPU_KINDS, on as on_kind  # noqa: E402
 from tests.compressors.test_codecs import CONFIGS, IDS  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
@@ -405,3 +408,67 @@ def test_error_feedback_on_the_device_follows_cuda_rules(
     assert not any(g[1] for g in got), got[0][1]
     for g in got:
         assert all(isinstance(v, (np.ndarray, int, str)) for v in g[2].values())
+
+
+# --- on a GPU: no hidden synchronisation (skipped without one) ------------------------------
+
+SYNC_FREE = [("fp16", {}), ("bf16", {}), ("int8", {}), ("int8", {"bits": 3, "rounding":
+             "stochastic"}), ("int8", {"scale": 4.0, "bits": 6}), ("qsgd", {}),
+             ("terngrad", {}), ("onebit", {}), ("none", {})]
+SYNC_IDS = [f"{n}{'-' + '-'.join(map(str, o.values())) if o else ''}" for n, o in SYNC_FREE]
+
+
+def _no_sync(device: str):
+    """A context in which a device synchronisation raises: torch's sync debug mode, or
+    cupyx.allow_synchronize(False)."""
+    import contextlib
+
+    if device == "torch-cuda":
+        @contextlib.contextmanager
+        def strict():
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                yield
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return strict()
+    import cupyx
+
+    if not hasattr(cupyx, "allow_synchronize"):
+        pytest.skip("this cupy has no cupyx.allow_synchronize")
+    return cupyx.allow_synchronize(False)
+
+
+
+@pytest.mark.parametrize("device", GPU_KINDS)
+@pytest.mark.parametrize("name,opts", SYNC_FREE, ids=SYNC_IDS)
+def test_gpu_quantizers_encode_and_decode_without_synchronising(
+        device: str, name: str, opts: dict) -> None:
+    """On a GPU the quantizers' compress and their decode of a device payload queue
+    kernels only: no host read, no blocking copy (a ``torch.tensor(v, device=cuda)``, a
+    cupy boolean-mask write, an ``.item()`` would each raise here); the bytes are the
+    host's. (qsgd/terngrad decoding counts corrupt levels: one read, so not checked.)"""
+    c = get(name, **opts)
+    for dtype in ("float32", "float16"):
+        x = data(100_003, dtype, 1)
+        ref = c.compress(x, seed=3)
+        xd, out = on_kind(device, x), on_kind(device, np.zeros(x.size, dtype))
+        _array.sync(xd)
+        with _no_sync(device):
+            p = c.compress(xd, seed=3)
+            if name not in ("qsgd", "terngrad"):
+                c.decompress(p, out=out)
+        assert wire(p) == wire(ref)
+        if name not in ("qsgd", "terngrad"):
+            assert _array.host(out).tobytes() == c.decompress(ref).tobytes()
+
+
+@pytest.mark.parametrize("device", GPU_KINDS)
+def test_gpu_division_is_ieee(device: str) -> None:
+    """``_array.divide_`` on the GPU is a true division (torch turns a division by a
+    Python scalar into a product with its reciprocal on CUDA)."""
+    f = data(100_003, "float32", 2) * np.float32(1e3)
+    for p in (3, 7, 10, 12):
+        y = on_kind(device, f)
+        _array.divide_(y, p)
+        assert _array.host(y).tobytes() == (f / np.float32(p)).tobytes(), p

@@ -191,7 +191,7 @@ def _adds(codec) -> bool:
 
 # --- the rules catch what they claim to ------------------------------------------------------
 
-def test_the_rules_flag_what_cuda_does_differently(lazy) -> None:
+def test_the_rules_flag_device_hazards(lazy) -> None:
     x = torch.arange(4.0, device=lazy)
     rules = CudaRules()
     with rules:
@@ -219,7 +219,7 @@ COUNTS = (0, 1, 9, 2100)
 
 
 @pytest.mark.parametrize("name,opts", CONFIGS, ids=IDS)
-def test_codecs_follow_cuda_rules(lazy, name: str, opts: dict) -> None:
+def test_codecs_keep_device_rules(lazy, name: str, opts: dict) -> None:
     """On the lazy device every codec gives the host path's bytes (encode, decode of a
     host payload into a device ``out=``, add=, decompress_sum of device payloads, error
     feedback), breaks none of :class:`CudaRules`, and reads the device from the host at
@@ -269,7 +269,7 @@ def test_codecs_follow_cuda_rules(lazy, name: str, opts: dict) -> None:
 
 # --- the _array helpers the device route uses -------------------------------------------
 
-def test_array_helpers_follow_cuda_rules(lazy) -> None:
+def test_array_helpers_keep_device_rules(lazy) -> None:
     rng = np.random.default_rng(5)
     rules = CudaRules()
     with rules:
@@ -349,7 +349,7 @@ def _device_wires(monkeypatch: pytest.MonkeyPatch) -> list:
 
 
 @pytest.mark.parametrize("name,opts", ROUTE_CODECS, ids=ROUTE_IDS)
-def test_compressed_allreduce_device_route_follows_cuda_rules(
+def test_compressed_allreduce_device_route_keeps_device_rules(
         lazy, name: str, opts: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     """gradcomm.allreduce of lazy tensors takes the device route (``auto``: device
     tensors need no GRADCOMM_CODEC_PLACEMENT) and gives the host gather route's bytes on
@@ -383,7 +383,7 @@ def test_compressed_allreduce_device_route_follows_cuda_rules(
 
 @pytest.mark.parametrize("name,opts", [("int8", {"bits": 4}), ("topk", {"ratio": 0.02}),
                                        ("onebit", {})], ids=["int8", "topk", "onebit"])
-def test_error_feedback_on_the_device_follows_cuda_rules(
+def test_error_feedback_on_the_device_keeps_device_rules(
         lazy, name: str, opts: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     """Four steps with error feedback: residuals stay on the device, results equal the
     host gather route's; the checkpoint comes to the host and resumes there bitwise."""

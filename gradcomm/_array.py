@@ -874,3 +874,29 @@ def _torch_kth(a: Any, j: int) -> Any:
     if n - j <= j + 1:
         return a.topk(n - j, largest=True, sorted=False).values.min()
     return a.topk(j + 1, largest=False, sorted=False).values.max()
+
+
+def itemsize(a: Any) -> int:
+    """Bytes per element of a numpy, cupy or torch array.
+
+    Example:
+        >>> import numpy as np
+        >>> itemsize(np.zeros(1, np.float16))
+        2
+    """
+    return int(a.element_size()) if kind(a) == "torch" else int(a.itemsize)
+
+
+def data_ptr(a: Any) -> int:
+    """Address of ``a``'s first element (host or device), for offsets between views.
+
+    Example:
+        >>> import numpy as np
+        >>> a = np.zeros(4, np.float32); data_ptr(a[1:]) - data_ptr(a)
+        4
+    """
+    if isinstance(a, np.ndarray):
+        return int(a.ctypes.data)
+    if kind(a) == "torch":
+        return int(a.data_ptr())
+    return int(a.data.ptr)

@@ -35,9 +35,10 @@ where the data is (the device kernels, :mod:`gradcomm.compressors._kernels._xp`)
 payloads cross to the host: each rank encodes on the device (residual kept there), copies
 its payload to a host frame, the frames are allgathered, and every payload is copied back
 and decoded-and-summed on the device (sparse codecs: the union of the pairs is scattered
-there). So ``auto`` takes the gather routes for device buffers; an explicit per-hop
-algorithm, or PowerSGD, is run on a host copy (staged) instead. Bytes are those of the
-host path (the device kernels match the numpy reference bit for bit).
+there). ``auto`` takes those gather routes for device buffers (few, large transfers
+and kernel launches); an explicit per-hop algorithm runs on the device too, each hop's
+payload crossing to the host and back; PowerSGD is run on a host copy (staged). Bytes are
+those of the host path (the device kernels match the numpy reference bit for bit).
 
 ``algorithm="auto"`` picks the route with the lowest modelled time (:func:`route_times`):
 ``T = α·messages + β·bytes sent + e·elements encoded + g·elements decoded`` per rank,
@@ -301,8 +302,8 @@ class _Seeds:
     def final(self, off: int, n: int, hop: int, seg: np.ndarray) -> tuple[int, ...]:
         if self.shared:
             return (*self.base, off, n)
-        stride = max(1, seg.size // 64)
-        fingerprint = zlib.crc32(np.ascontiguousarray(seg[::stride]).tobytes())
+        stride = max(1, _array.size(seg) // 64)
+        fingerprint = zlib.crc32(np.ascontiguousarray(_array.host(seg[::stride])).tobytes())
         return (*self.base, 2, hop, off, n, fingerprint)
 
 
@@ -372,8 +373,9 @@ class CompressedWire:
         return self.state.floats(slot, n, self.base.dtype)
 
     def _offset(self, seg: np.ndarray) -> int:
-        off, rem = divmod(seg.ctypes.data - self.base.ctypes.data, self.base.itemsize)
-        if rem or off < 0 or off + seg.size > self.base.size:
+        off, rem = divmod(_array.data_ptr(seg) - _array.data_ptr(self.base),
+                          _array.itemsize(self.base))
+        if rem or off < 0 or off + _array.size(seg) > _array.size(self.base):
             raise ConfigError("CompressedWire: segments must be views of the reduced buffer")
         return off
 
@@ -388,7 +390,7 @@ class CompressedWire:
         locate = getattr(self.ef, "locate", None)
         if locate is not None:
             locate(name, off)
-        return self.ef.residual(name, n, dtype)
+        return self.ef.residual(name, n, dtype, like=self.base)
 
     # -- frames ---------------------------------------------------------------------------
     def _layout(self, n: int) -> _Layout | None:
@@ -556,7 +558,7 @@ class CompressedWire:
 
     def _decode_add(self, data: np.ndarray, seg: np.ndarray) -> None:
         """``seg += decode(data)``, validated."""
-        self._decode_add_payload(self._payload(data, seg.size), seg)
+        self._decode_add_payload(self._payload(data, _array.size(seg)), seg)
 
     def _decode_add_payload(self, payload: Payload, seg: np.ndarray) -> None:
         if not self._add:
@@ -579,23 +581,23 @@ class CompressedWire:
         return self.state.arena.take(self.bound(n))
 
     def encode(self, seg: np.ndarray) -> np.ndarray:
-        off, n = self._offset(seg), seg.size
+        off, n = self._offset(seg), _array.size(seg)
         hop = self._partial_hops
         self._partial_hops += 1
         seed = self.seeds.partial(off, n, hop)
         if self.ef is None:
             return self._single(seg, seed, n, self.bound(n))[0]
-        e = self._hop_residual(f"{self.key}{HOP_SEP}e{hop}", off, n, seg.dtype)
+        e = self._hop_residual(f"{self.key}{HOP_SEP}e{hop}", off, n, self.dtype)
         return self._single(seg, seed, n, self.bound(n), residual=e)[0]
 
     def reduce(self, recv: np.ndarray, seg: np.ndarray, recv_first: bool) -> None:
-        off, n = self._offset(seg), seg.size
+        off, n = self._offset(seg), _array.size(seg)
         self._forget(off, off + n)
         (_, _, data), = self._parts(recv, n, 1)
         self._decode_add(data, seg)
 
     def final(self, seg: np.ndarray) -> np.ndarray:
-        off, n = self._offset(seg), seg.size
+        off, n = self._offset(seg), _array.size(seg)
         size = self.bound(n, self.max_parts)
         pieces = sorted((o, m, p) for o, (m, p) in self._finished.items()
                         if off <= o and o + m <= off + n)
@@ -610,7 +612,7 @@ class CompressedWire:
             frame, data = self._single(seg, seed, n, size,
                                        decoded=seg if self.codec.lossy else None)
         else:
-            e = self._hop_residual(f"{self.key}{HOP_SEP}f{hop}", off, n, seg.dtype)
+            e = self._hop_residual(f"{self.key}{HOP_SEP}f{hop}", off, n, self.dtype)
             frame, data = self._single(seg, seed, n, size, residual=e, decoded=seg)
         self._forget(off, off + n)
         self._finished[off] = (n, data)
@@ -620,7 +622,7 @@ class CompressedWire:
         return self.state.arena.take(self.bound(n, self.max_parts))
 
     def place(self, recv: np.ndarray, seg: np.ndarray) -> None:
-        off, n = self._offset(seg), seg.size
+        off, n = self._offset(seg), _array.size(seg)
         parts = self._parts(recv, n, self.max_parts)
         self._forget(off, off + n)
         for o, m, data in parts:
@@ -700,11 +702,12 @@ def _link_bound(t: Transport, codec: Compressor, x: np.ndarray) -> bool:
     from .auto import agreed_profile
 
     prof = agreed_profile(t)
-    if prof is None or not x.size:
+    n = _array.size(x)
+    if prof is None or not n:
         return False
-    p, n = t.size, x.size
-    c = max_nbytes(codec, n, x.dtype.name)
-    coding = route_times(p, n, c, x.itemsize, codec, "ring", _NoLink(prof))["ring"]
+    p = t.size
+    c = max_nbytes(codec, n, _array.dtype_name(x))
+    coding = route_times(p, n, c, _array.itemsize(x), codec, "ring", _NoLink(prof))["ring"]
     return prof.beta * 2 * (p - 1) / p * c > 2 * coding
 
 
@@ -742,18 +745,19 @@ def _per_hop(t: Transport, x: np.ndarray, codec: Compressor, name: str, seeds: _
              ef: ErrorFeedback | None, key: str, state: _State | None = None) -> None:
     from . import algorithm
 
-    codec = segment_codec(codec, x.size)
+    n, dt, itemsize = _array.size(x), _array.dtype_name(x), _array.itemsize(x)
+    codec = segment_codec(codec, n)
 
     parts = 1 << (t.size.bit_length() - 1) if name == "rabenseifner" else 1
     wire = CompressedWire(codec, x, seeds, max_parts=parts, ef=ef, key=key, state=state)
     kwargs: dict[str, Any] = {}
-    if name in ("ring", "tree") and x.size:
-        ratio = x.size * x.itemsize / max(1, max_nbytes(codec, x.size, x.dtype.name))
-        kwargs["chunk_bytes"] = max(x.itemsize, int(CHUNK_BYTES * max(1.0, ratio)))
-    if name == "ring" and compressed_ring.wanted(x.nbytes, t, _link_bound(t, codec, x)):
+    if name in ("ring", "tree") and n:
+        ratio = n * itemsize / max(1, max_nbytes(codec, n, dt))
+        kwargs["chunk_bytes"] = max(itemsize, int(CHUNK_BYTES * max(1.0, ratio)))
+    if name == "ring" and compressed_ring.wanted(n * itemsize, t, _link_bound(t, codec, x)):
         compressed_ring.allreduce(t, x, wire, **kwargs)
         return
-    algorithm(name)(t, x, Reducer("sum", x.dtype.name), wire=wire, **kwargs)
+    algorithm(name)(t, x, Reducer("sum", dt), wire=wire, **kwargs)
 
 
 def _plain_ef(ef: ErrorFeedback) -> bool:
@@ -913,8 +917,8 @@ def compressed_allreduce(t: Transport, buf: np.ndarray, dtype: str, *, op: str,
     """
     powersgd = (compressor if isinstance(compressor, str) else
                 getattr(compressor, "name", None)) == "powersgd"
-    if not _array.is_host(buf) and (powersgd or algorithm in HOP_ALGORITHMS):
-        # a device buffer on a route that runs on the host: staged through a host copy
+    if not _array.is_host(buf) and powersgd:
+        # PowerSGD's rounds run on the host: a device buffer is staged through a host copy
         res = compressed_allreduce(t, _array.host(buf).copy(), dtype, op=op,
                                    algorithm=algorithm, compressor=compressor, check=check,
                                    seed=seed, residuals=residuals, key=key, **options)
@@ -990,7 +994,7 @@ def _run(t: Transport, buf: np.ndarray, dtype: str, op: str, algorithm: str,
         if name == "auto" and not _array.is_host(x):     # device: gather routes only
             name = "sparse_allgather" if is_sparse(codec) else "allgather"
         elif name == "auto":
-            name = _choose(t, codec, n, x.dtype.name, np.dtype(buf.dtype).itemsize)
+            name = _choose(t, codec, n, x.dtype.name, buf.dtype.itemsize)
         if name in HOP_ALGORITHMS:
             _per_hop(t, x, codec, name, seeds, ef, key, state)
         else:

@@ -2,7 +2,7 @@
 
 ``GRADCOMM_CODEC_PLACEMENT=array`` makes torch CPU tensors take the device route (the code
 a CUDA tensor runs, on another device), so it is checked here against the host route:
-same bytes on every rank, equal to the host's gather routes; per-hop algorithms staged;
+same bytes on every rank, equal to the host's gather and per-hop routes;
 error feedback and checkpoints across placements; a placement mismatch under ``auto`` is
 caught on every rank.
 """
@@ -78,13 +78,18 @@ def test_device_route_equals_the_host_gather_route(name: str, opts: dict,
 
 @pytest.mark.parametrize("name,opts", [("int8", {}), ("topk", {"ratio": 0.05})],
                          ids=["int8", "topk"])
-def test_per_hop_algorithms_are_staged(name: str, opts: dict,
+def test_per_hop_algorithms_on_the_device(name: str, opts: dict,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    for algorithm in ("ring", "recursive_doubling"):
-        def fn(t, algorithm=algorithm):
-            return raw(gradcomm.allreduce(grad(t.rank, 777, "float32"), t, op="mean",
-                                          compressor=name, algorithm=algorithm, **opts))
-        assert run(3, fn, "array", monkeypatch) == run(3, fn, "auto", monkeypatch)
+    """Explicit per-hop algorithms run on the device (each hop's payload through the
+    host): the host's bytes, with error feedback on every hop, at p = 3 and 4."""
+    for p in (3, 4):
+        for algorithm in ("ring", "tree", "recursive_doubling", "rabenseifner"):
+            def fn(t, algorithm=algorithm):
+                ar = gradcomm.Allreduce(t, compressor=name, algorithm=algorithm, **opts)
+                return [raw(ar(grad(t.rank + s, 777, "float32"), key="w")) for s in range(3)]
+            got = run(p, fn, "array", monkeypatch)
+            assert got == run(p, fn, "auto", monkeypatch), (p, algorithm)
+            assert all(g == got[0] for g in got), (p, algorithm)
 
 
 @pytest.mark.parametrize("name,opts", [("onebit", {}), ("topk", {"ratio": 0.02}),

@@ -74,12 +74,12 @@ bitwise equal too; at more ranks only the order of summation differs.
 buckets, so collectives still match; gradients are divided by the full ``p``.
 
 **GPU.** The hook records a CUDA event on the autograd stream and the worker waits for
-it before touching a CUDA bucket. A compressed CUDA bucket on a gather route
-(``"allgather"``, ``"sparse_allgather"``, and ``"auto"``, which means them there) stays
-on its device: the float32 (float64) working copy divided by ``p``, the per-parameter
+it before touching a CUDA bucket. A compressed CUDA bucket stays on its device
+(``"auto"`` means the gather routes there; per-hop algorithms keep their hop residuals
+there too): the float32 (float64) working copy divided by ``p``, the per-parameter
 residuals and the codecs (the device kernels, byte-identical to the host's) live there,
 only payload bytes cross to the host transport, and the result is written back into the
-bucket on the device. Uncompressed buckets, explicit per-hop algorithms and PowerSGD are
+bucket on the device. Uncompressed buckets (except on NCCL, below) and PowerSGD are
 staged through host memory (copied there, reduced, copied back before the future
 completes). ``state_dict`` brings device residuals to the host; after a load they move
 to the device at their next bucket. ``GRADCOMM_CODEC_PLACEMENT=array`` sends CPU buckets
@@ -375,8 +375,8 @@ class CommHookState:
         self.stats["comm_seconds"] += time.perf_counter() - began
 
     def _route(self, meta: _array.Meta, compressed: bool) -> str:
-        """Where a bucket described by ``meta`` is reduced: ``"device"`` (compressed on a
-        gather route with codecs that run where the bucket is: CUDA buckets, or every
+        """Where a bucket described by ``meta`` is reduced: ``"device"`` (compressed,
+        with codecs that run where the bucket is: CUDA buckets, or every
         tensor under ``GRADCOMM_CODEC_PLACEMENT=array``), ``"library"`` (uncompressed
         ``auto``/``native`` device buckets of a device process group: its own allreduce,
         in place) or ``"host"`` (staged through host memory: the rest)."""
@@ -951,7 +951,8 @@ class _Replay:
 
 #: compressed algorithms the hook runs where the bucket lives (gather routes; "auto" means
 #: them for device buckets); codecs always staged through the host
-_DEVICE_ALGORITHMS = ("auto", "allgather", "sparse_allgather")
+_DEVICE_ALGORITHMS = ("auto", "allgather", "sparse_allgather", "ring", "tree",
+                      "recursive_doubling", "rabenseifner")
 _STAGED_CODECS = ("powersgd",)
 
 

@@ -386,11 +386,12 @@ def _fold(acc):
 
 
 @njit(inline="always", **_JIT)
-def _key_minmax(ks, m):
+def _key_minmax(xs, m):
+    """The least and greatest integer keys of float32 xs[0:m] (keys order as the floats)."""
     lo_k = np.int32(0x7FFFFFFF)
     hi_k = np.int32(-0x80000000)
     for i in range(m):
-        v = ks[i]
+        v = np.int32(_f32_as_u32(xs[i]))
         k = v ^ ((v >> np.int32(31)) & np.int32(0x7FFFFFFF))
         lo_k = min(lo_k, k)
         hi_k = max(hi_k, k)
@@ -398,15 +399,17 @@ def _key_minmax(ks, m):
 
 
 @njit(inline="always", **_JIT)
-def _unkey(k, one):
-    one[0] = k ^ ((k >> np.int32(31)) & np.int32(0x7FFFFFFF))
-    return one.view(np.float32)[0]
+def _unkey(k):
+    """The float32 of key ``k``."""
+    return _u32_as_f32(np.uint32(k ^ ((k >> np.int32(31)) & np.int32(0x7FFFFFFF))))
 
 
 # --- error feedback around a bucket ----------------------------------------------------------
-# Every encoder is one kernel ``(x, ..., e, d, mode)``: the plain encoder is its mode 0;
-# ``fused`` calls it with mode & 1 (encode y = x + e, then e = y - decoded) and/or mode & 2
-# (d = decoded), in the same pass over each bucket.
+# Every bucketed encoder is one kernel ``(x, ..., e, d, mode)``. ``fused`` calls it with
+# mode & 1 (encode y = x + e, then e = y - decoded) and/or mode & 2 (d = decoded), in the
+# same pass over each bucket. The plain encoder passes e = d = None: numba compiles that
+# apart, with the error-feedback code pruned (the fused path's per-bucket array views
+# would cost ~10% at 256-element buckets).
 _ONEBIT, _MINMAX, _FIXED, _SIGNLEVEL = 0, 1, 2, 3
 
 
@@ -435,24 +438,26 @@ def _decode_codes(kind, c, m, a, b, k, o, add):
             o[i] = _value(kind, c[i], a, b, k)
 
 
-@njit(**_JIT)
+@njit(inline="always", **_JIT)
 def _ef_input(x, e, s, m, mode, ys):
     """Bucket ``s .. s+m`` of what is encoded: ``x``, or ``y = x + e`` (into ys) under
     mode & 1."""
     xs = x[s:s + m]
-    if mode & 1:
-        es = e[s:s + m]
-        for i in range(m):
-            ys[i] = xs[i] + es[i]
-        return ys[:m]
-    return xs
+    if e is None or not mode & 1:
+        return xs
+    es = e[s:s + m]
+    for i in range(m):
+        ys[i] = xs[i] + es[i]
+    return ys[:m]
 
 
 @njit(inline="always", **_JIT)
 def _ef_output(kind, c, a, b, k, ys, e, d, s, m, mode):
     """After bucket ``s .. s+m`` of ``y`` was encoded to codes ``c`` (decoded as
     :func:`_value` says): ``d = decoded`` (mode & 2) and ``e = y - decoded`` (mode & 1),
-    in one pass."""
+    in one pass; nothing in the plain encoder (e None)."""
+    if e is None or d is None or not mode:
+        return
     if mode == 3:
         ds, es = d[s:s + m], e[s:s + m]
         for i in range(m):
@@ -479,15 +484,14 @@ def _minmax_encode(x, bs, bits, stochastic, key, lo_out, unit_out, packed, e, d,
     ys = np.empty(min(bs, n) if mode & 1 else 0, np.float32)
     w = np.empty(min(bs, n) // 2 + 4, np.uint32)
     wh = w.view(np.uint16)
-    one = np.empty(1, np.int32)
     for b in range((n + bs - 1) // bs):
         s = b * bs
         m = min(bs, n - s)
         xs = _ef_input(x, e, s, m, mode, ys)
-        lo_k, hi_k = _key_minmax(xs.view(np.int32), m)
+        lo_k, hi_k = _key_minmax(xs, m)
         bad = hi_k >= _KEY_PINF or lo_k <= _KEY_NINF
-        lo = _unkey(lo_k, one)
-        hi = _unkey(hi_k, one)
+        lo = _unkey(lo_k)
+        hi = _unkey(hi_k)
         rng = np.float64(hi) - np.float64(lo)
         ok = (not bad) and rng > 0
         lo_out[b] = _F32_NAN if bad else lo
@@ -507,14 +511,12 @@ def _minmax_encode(x, bs, bits, stochastic, key, lo_out, unit_out, packed, e, d,
                     q = np.floor((xs[i] - lo) * inv + np.float32(0.5))
                     c[i] = np.uint8(min(max(q, zero), fL))
         _pack_into(c, m, bits, packed[(s // 8) * bits:])
-        if mode:
-            _ef_output(_MINMAX, c, lo_out[b], unit_out[b], np.uint8(0), xs, e, d, s, m, mode)
+        _ef_output(_MINMAX, c, lo_out[b], unit_out[b], np.uint8(0), xs, e, d, s, m, mode)
 
 
 def minmax_encode(x, bs, bits, stochastic, key, lo_out, unit_out, packed):
     if x.size:
-        _minmax_encode(x, bs, bits, stochastic, key, lo_out, unit_out, packed, _NONE32,
-                       _NONE32, 0)
+        _minmax_encode(x, bs, bits, stochastic, key, lo_out, unit_out, packed, None, None, 0)
 
 
 @njit(**_JIT)
@@ -573,13 +575,12 @@ def _fixed_encode(x, bits, scale, stochastic, key, packed, e, d, mode):
             for i in range(m):
                 c[i] = _fixed_code(xs[i], np.float32(0.5), mul, fL, nan_code)
         _pack_into(c, m, bits, packed[(s // 8) * bits:])
-        if mode:
-            _ef_output(_FIXED, c, fL, step, nan_code, xs, e, d, s, m, mode)
+        _ef_output(_FIXED, c, fL, step, nan_code, xs, e, d, s, m, mode)
 
 
 def fixed_encode(x, bits, scale, stochastic, key, packed):
     if x.size:
-        _fixed_encode(x, bits, scale, stochastic, key, packed, _NONE32, _NONE32, 0)
+        _fixed_encode(x, bits, scale, stochastic, key, packed, None, None, 0)
 
 
 @njit(**_JIT)
@@ -611,7 +612,6 @@ def _signlevel_encode(x, bs, s_, bits, l2, key, scale_out, packed, e, d, mode):
     sbit = np.uint8(1 << (bits - 1))
     lmask = np.uint8(sbit - 1)
     fs = np.float32(s_)
-    one = np.empty(1, np.int32)
     for b in range((n + bs - 1) // bs):
         s = b * bs
         m = min(bs, n - s)
@@ -631,13 +631,11 @@ def _signlevel_encode(x, bs, s_, bits, l2, key, scale_out, packed, e, d, mode):
             bad = not np.isfinite(total)
             scale = np.float32(0.0) if bad else np.float32(np.sqrt(total))
         else:
-            ks = xs.view(np.int32)
             mk = np.int32(0)
             for i in range(m):
-                mk = max(mk, ks[i] & np.int32(0x7FFFFFFF))
+                mk = max(mk, np.int32(_f32_as_u32(xs[i])) & np.int32(0x7FFFFFFF))
             bad = mk >= _KEY_PINF
-            one[0] = 0 if bad else mk
-            scale = one.view(np.float32)[0]
+            scale = _u32_as_f32(np.uint32(0 if bad else mk))
         ok = (not bad) and scale > 0
         scale_out[b] = _F32_NAN if bad else scale
         if not ok:
@@ -651,14 +649,13 @@ def _signlevel_encode(x, bs, s_, bits, l2, key, scale_out, packed, e, d, mode):
                 lv = np.uint8(min(np.floor(abs(v) * mul + _u(wh[i])), fs))
                 c[i] = lv | (sbit if (v < 0 and lv > 0) else np.uint8(0))
         _pack_into(c, m, bits, packed[(s // 8) * bits:])
-        if mode:
-            unit = np.float32(np.float64(scale_out[b]) / s_)
-            _ef_output(_SIGNLEVEL, c, unit, unit, lmask, xs, e, d, s, m, mode)
+        unit = np.float32(np.float64(scale_out[b]) / s_)
+        _ef_output(_SIGNLEVEL, c, unit, unit, lmask, xs, e, d, s, m, mode)
 
 
 def signlevel_encode(x, bs, s, bits, l2, key, scale_out, packed):
     if x.size:
-        _signlevel_encode(x, bs, s, bits, l2, key, scale_out, packed, _NONE32, _NONE32, 0)
+        _signlevel_encode(x, bs, s, bits, l2, key, scale_out, packed, None, None, 0)
 
 
 @njit(**_JIT)
@@ -728,13 +725,12 @@ def _onebit_encode(x, bs, pos_out, neg_out, packed, e, d, mode):
             for i in range(m):
                 c[i] = xs[i] >= np.float32(0.0)
         _pack_into(c, m, 1, packed[s // 8:])
-        if mode:
-            _ef_output(_ONEBIT, c, pos_out[b], neg_out[b], np.uint8(0), xs, e, d, s, m, mode)
+        _ef_output(_ONEBIT, c, pos_out[b], neg_out[b], np.uint8(0), xs, e, d, s, m, mode)
 
 
 def onebit_encode(x, bs, pos_out, neg_out, packed):
     if x.size:
-        _onebit_encode(x, bs, pos_out, neg_out, packed, _NONE32, _NONE32, 0)
+        _onebit_encode(x, bs, pos_out, neg_out, packed, None, None, 0)
 
 
 @njit(**_JIT)

@@ -56,31 +56,39 @@ def _block(key, b):
                    key[2], key[3], key[0], key[1])
 
 
+@njit(inline="always", **_JIT)
+def _put_block(key, b, out, j):
+    """out[4j .. 4j+3] = block ``b`` of the stream."""
+    w0, w1, w2, w3 = _block(key, b)
+    out[4 * j] = w0
+    out[4 * j + 1] = w1
+    out[4 * j + 2] = w2
+    out[4 * j + 3] = w3
+
+
 @njit(**_JIT)
-def _fill_words(key, block0, nblocks, out):
-    """out[4j .. 4j+3] = block ``block0 + j`` of the stream, j < nblocks."""
+def _fill_words(key, block0, out):
+    """out[4j .. 4j+3] = block ``block0 + j`` of the stream."""
     k = (key[0], key[1], key[2], key[3])            # not reloaded after each store to out
-    for j in range(nblocks):
-        w0, w1, w2, w3 = _block(k, np.uint64(block0 + j))
-        out[4 * j] = w0
-        out[4 * j + 1] = w1
-        out[4 * j + 2] = w2
-        out[4 * j + 3] = w3
+    for j in range(out.size // 4):
+        _put_block(k, np.uint64(block0 + j), out, j)
 
 
 def philox_words(key: np.ndarray, start: int, count: int) -> np.ndarray:
     b0 = start // 4
     nblk = (start + count + 3) // 4 - b0
     buf = np.empty(nblk * 4, np.uint32)
-    _fill_words(key.astype(np.uint32), b0, nblk, buf)
+    _fill_words(key.astype(np.uint32), b0, buf)
     return buf[start - 4 * b0:start - 4 * b0 + count].copy()
 
 
-@njit(inline="always", **_JIT)
+@njit(**_JIT)
 def _fill_bucket_words(key, start, m, w):
     """w[0 : 4*ceil(m/8)] = stream words of elements start .. start+m-1 (start % 8 == 0);
     element i's dither is then ``_u(w.view(uint16)[i])``."""
-    _fill_words(key, start // 8, (m + 7) // 8, w)
+    g0 = start // 8
+    for t in range((m + 7) // 8):
+        _put_block(key, np.uint64(g0 + t), w, t)
 
 
 @njit(inline="always", **_JIT)

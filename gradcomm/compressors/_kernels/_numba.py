@@ -421,10 +421,11 @@ def _unkey(k):
 _ONEBIT, _MINMAX, _FIXED, _SIGNLEVEL = 0, 1, 2, 3
 
 
-@njit(inline="always", **_JIT)
+@njit(**_JIT)
 def _value(kind, ci, a, b, k):
-    """The float32 that code ``ci`` (uint8) stands for in codec ``kind`` (a constant: the
-    other branches fold away), given the bucket's float32 ``a``, ``b`` and uint8 ``k``."""
+    """The float32 that code ``ci`` (uint8) stands for in codec ``kind``, given the bucket's
+    float32 ``a``, ``b`` and uint8 ``k``. Not inlined by numba (that would type every
+    branch at each of its call sites); LLVM inlines it and folds the constant ``kind``."""
     if kind == _ONEBIT:                 # a where the bit is set, else b
         return a if ci else b
     if kind == _MINMAX:                 # lo + ci * unit

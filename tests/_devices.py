@@ -40,3 +40,18 @@ def ref(kind: str):
 def on(kind: str, a: np.ndarray):
     """A fresh copy of host ``a`` as an array of ``kind`` (never sharing ``a``)."""
     return _array.like(np.array(a, copy=True), ref(kind))
+
+
+def data(n: int, dtype: str, seed: int) -> np.ndarray:
+    """``n`` values of mixed scales (1e-3..1e2) with exact zeros and ties, host ``dtype``."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(n) * 10.0 ** rng.integers(-3, 3, n)).astype(dtype)
+    if n > 20:
+        x[rng.integers(0, n, n // 10)] = 0.0
+        x[rng.integers(0, n, 3)] = 1.5
+    return x
+
+
+def wire(p) -> bytes:
+    """A payload's wire form as bytes (device buffers are copied to the host)."""
+    return p.to_bytes().tobytes()

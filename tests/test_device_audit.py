@@ -47,7 +47,7 @@ pytest.importorskip("array_api_compat")
 
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
-from tests._devices import GPU_KINDS, on as on_kind  # noqa: E402
+from tests._devices import GPU_KINDS, data, on as on_kind, wire  # noqa: E402
 from tests.compressors.test_codecs import CONFIGS, IDS  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
@@ -168,19 +168,6 @@ class CudaRules(TorchFunctionMode):
 def on(device, a: np.ndarray):
     """A fresh tensor on ``device`` with host ``a``'s elements (bfloat16 stays uint16)."""
     return _array.like(np.array(a, copy=True), torch.zeros(1, device=device))
-
-
-def data(n: int, dtype: str, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    x = (rng.standard_normal(n) * 10.0 ** rng.integers(-3, 3, n)).astype(dtype)
-    if n > 20:
-        x[rng.integers(0, n, n // 10)] = 0.0
-        x[rng.integers(0, n, 3)] = 1.5
-    return x
-
-
-def wire(p: Payload) -> bytes:
-    return p.to_bytes().tobytes()
 
 
 def _adds(codec) -> bool:

@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("array_api_compat")
 
 from test_codecs import CONFIGS, IDS  # noqa: E402
-from tests._devices import GPU_KINDS, on  # noqa: E402
+from tests._devices import GPU_KINDS, data, on, wire  # noqa: E402
 
 DEVICES = ["torch-cpu", *GPU_KINDS]
 
@@ -30,19 +30,6 @@ COUNTS = (0, 1, 7, 9, 100, 1025, 4099)
 
 def host(a) -> np.ndarray:
     return _array.host(a)
-
-
-def data(n: int, dtype: str, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    x = (rng.standard_normal(n) * 10.0 ** rng.integers(-3, 3, n)).astype(dtype)
-    if n > 20:
-        x[rng.integers(0, n, n // 10)] = 0.0
-        x[rng.integers(0, n, 3)] = 1.5
-    return x
-
-
-def wire(p: Payload) -> bytes:
-    return p.to_bytes().tobytes()
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -11,6 +11,7 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import sys
 from typing import Any
 
@@ -19,6 +20,17 @@ from .base import DEFAULT_TIMEOUT, Request, Stats, Transport
 from .threads import ThreadTransport, run_ranks
 
 _CACHE: dict[int, tuple[Any, Transport]] = {}
+
+
+def _forget_all() -> None:
+    """Drop the cached transports (and the communicators / process groups they hold) at
+    interpreter exit, while Python still runs: a gloo process group left to be destroyed
+    during interpreter teardown can abort the process ("terminate called without an
+    active exception") after the program itself has finished."""
+    _CACHE.clear()
+
+
+atexit.register(_forget_all)
 
 
 def get_transport(comm: Any = None, *, timeout: float | None = None) -> Transport:

@@ -17,6 +17,7 @@ import argparse
 import io
 import json
 import os
+import sys
 import time
 
 import numpy as np
@@ -458,6 +459,13 @@ def run_checks(checks: dict, names: list[str]) -> None:
           flush=True)
     dist.barrier()  # no teardown while a peer still talks (gloo aborts)
     dist.destroy_process_group()
+    # the checks are done and reported: skip torch's own teardown, which can abort a gloo
+    # process at exit (not what these checks test); under mpirun, finalize MPI first
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -79,8 +79,7 @@ class ErrorFeedback:
         a :class:`ResidualResetWarning`. One held elsewhere (a checkpoint loaded on the
         host, then used on a GPU) is moved.
         """
-        dt = np.dtype(dtype) if isinstance(dtype, (str, np.dtype, type)) else \
-            np.dtype(_array.dtype_name(like))
+        dt = np.dtype(dtype)
         e = self._residuals.get(name)
         if e is not None and (tuple(e.shape) != (n,) or _array.dtype_name(e) != dt.name):
             warnings.warn(f"error-feedback residual {name!r} held {_array.size(e)} x "
@@ -109,12 +108,8 @@ class ErrorFeedback:
     def update(self, name: str, x: Any, decoded: Any) -> None:
         """``e ← x − decoded`` where ``x`` is what was compressed (from :meth:`compensate`)."""
         if self.enabled:
-            e = self.residual(name, _array.size(x), _array.dtype_name(x), like=x)
-            if isinstance(e, np.ndarray):
-                np.subtract(x, decoded, out=e)
-            else:
-                _array.assign(e, x)
-                e -= decoded
+            _array.subtract(x, decoded,
+                            self.residual(name, _array.size(x), _array.dtype_name(x), like=x))
 
     def reset(self, key: str | None = None) -> None:
         """Forget the residuals (and steps) of ``key`` and its hops, or of every key."""

@@ -566,9 +566,7 @@ def as_float32(x: Any) -> Any:
 
 def dtype_code(dtype: Any) -> int:
     """Payload code of a float dtype name or numpy dtype (ConfigError otherwise)."""
-    name = dtype if isinstance(dtype, str) else \
-        (np.dtype(dtype).name if isinstance(dtype, (np.dtype, type)) else
-         str(dtype).removeprefix("torch."))
+    name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
     if name not in FLOAT_DTYPES:
         raise ConfigError(f"dtype must be one of {', '.join(FLOAT_DTYPES)}, got {dtype!r}")
     return CODES[name]

@@ -358,8 +358,7 @@ class CommHookState:
         t = self.transport
         began, sent = time.perf_counter(), t.stats.bytes_sent
         meta = _array.meta_of(flat)
-        compressed = (self.compressor is not None and self.compressor.lossy
-                      and self.iter >= self.start_iter)
+        compressed = self._compressing()
         sig = (flat.numel(), meta.dtype, compressed)
         check = sig not in self._checked    # agree on new shapes only: gloo messages cost ms
         route = self._route(meta, compressed)
@@ -373,6 +372,12 @@ class CommHookState:
         self.stats["buckets"] += 1
         self.stats["bytes_sent"] += t.stats.bytes_sent - sent
         self.stats["comm_seconds"] += time.perf_counter() - began
+
+    def _compressing(self) -> bool:
+        """Whether this iteration's buckets are compressed (a lossy codec, past
+        ``start_iter``)."""
+        return (self.compressor is not None and self.compressor.lossy
+                and self.iter >= self.start_iter)
 
     def _route(self, meta: _array.Meta, compressed: bool) -> str:
         """Where a bucket described by ``meta`` is reduced: ``"device"`` (compressed,
@@ -441,8 +446,7 @@ class CommHookState:
         if self.library is None or self._replay is not None or self._pending is not None:
             return None                     # a replayed layout: the worker groups units
         meta = _array.meta_of(buf)
-        compressed = (self.compressor is not None and self.compressor.lossy
-                      and self.iter >= self.start_iter)
+        compressed = self._compressing()
         if self._route(meta, compressed) != "library":
             return None
         sig = (buf.numel(), meta.dtype, False)

@@ -4,8 +4,9 @@ The multi-process checks live in ``scripts/ddp_checks.py`` and run many per laun
 (process start-up dominates): parity with DDP's built-in allreduce (bitwise), every codec
 trains with identical parameters on every rank, residuals survive bucket rebuilds and a
 change of bucket_cap_mb (telescoping identity), checkpoint-resume is bitwise equal to the
-unbroken run, join() with uneven inputs, the uncompressed warm-up (start_iter), and
-checkpoints moving between rank counts.
+unbroken run, join() with uneven inputs, the uncompressed warm-up (start_iter),
+checkpoints moving between rank counts, and every compressed bucket equal to an
+independent reduction of all ranks' recorded bucket inputs ('exact').
 """
 
 from __future__ import annotations
@@ -45,9 +46,22 @@ def test_hook_on_three_gloo_processes_and_between_rank_counts():
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("p", [2, 3])
+def test_compressed_hook_equals_an_independent_reduction_of_every_ranks_buckets(p):
+    """Each bucket the compressed hook returns == compressed_allreduce over every rank's
+    recorded bucket inputs (hook's keys, seed, steps, per-parameter residuals, folds),
+    bitwise, every step: a hook returning zeros (its error mass kept in the residuals)
+    passes the telescoping check of 'rebuild' but fails this one."""
+    run = torchrun(CHECKS, p, "exact", timeout=110)
+    info = run.clean_results(p)[0]["info"]
+    folded = [int(s.split(": ")[1].split()[0]) for s in info["exact"]]
+    assert len(folded) == 12 and max(folded) > 0, info   # the fold path ran too
+
+
+@pytest.mark.timeout(120)
 def test_hook_under_mpirun_with_the_mpi_transport():
     require_mpi()
-    run = mpirun(CHECKS, 2, "parity", "compressors", "resume", "join", "--quick",
+    run = mpirun(CHECKS, 2, "parity", "compressors", "resume", "join", "exact", "--quick",
                  "--port", str(free_port()), timeout=110)
     run.clean_results(2)
 

@@ -5,7 +5,7 @@ start-up is the slow part).
     mpirun: torch.distributed is initialised from Open MPI's variables (gloo, for DDP's own
     broadcasts) and the hook uses ``transport="mpi"`` (MPI.COMM_WORLD).
 
-    python ddp_checks.py parity compressors rebuild resume join [--port P]
+    python ddp_checks.py exact parity compressors rebuild resume join [--port P]
 
 Each rank prints ``RESULT {"rank": r, "errors": [...], "info": {...}}``; a check that
 finds a problem appends a message to ``errors`` (it does not stop the other checks).
@@ -410,7 +410,229 @@ def _resized(blob: bytes, name: str, algo: str, group, steps: int, label: str) -
     state.close()
 
 
-CHECKS = {"parity": check_parity, "warmup": check_warmup, "compressors": check_compressors, "rebuild": check_rebuild,
+# -- exact: the compressed hook's buckets against an independent reduction ----------------
+#: (codec, algorithm, error feedback) of check_exact: gathered and per-hop routes
+EXACT = [("fp16", "ring", True), ("fp16", "allgather", False), ("int8", "tree", True),
+         ("int8", "allgather", True), ("topk", "sparse_allgather", True),
+         ("topk", "recursive_doubling", True), ("topk", "ring", False),
+         ("onebit", "allgather", True), ("onebit", "rabenseifner", True),
+         ("randomk", "allgather", True), ("randomk", "ring", True),
+         ("randomk", "tree", False)]
+
+
+def unit_key(keys: list[str]) -> str:
+    """The key the hook reduces a unit of parameters under (it seeds the codecs)."""
+    import hashlib
+
+    return "unit:" + hashlib.sha1("|".join(keys).encode()).hexdigest()[:16]
+
+
+class _RefStore(gradcomm.ErrorFeedback):
+    """The library's own error feedback (standard compensate/update) with the hook's step
+    (its iteration, for every key) and hop offsets recorded (``locate``)."""
+
+    def __init__(self, enabled: bool) -> None:
+        super().__init__(enabled)
+        self.now = 0
+        self.offsets: dict[str, int] = {}
+
+    def step(self, key: str) -> int:
+        return self.now
+
+    def locate(self, name: str, offset: int) -> None:
+        self.offsets[name] = int(offset)
+
+
+class _RefRank:
+    """One rank of the reference: per-parameter residuals, the hop residuals of the
+    units (in a :class:`_RefStore`), the units seen and those used this iteration."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.params: dict[str, np.ndarray] = {}
+        self.store = _RefStore(enabled)
+        self.units: dict[str, tuple[list[str], list[int]]] = {}
+        self.used: set[str] = set()
+        self.copies: dict[str, int] = {}       # hop -> ranks holding it identically
+
+    def param(self, name: str, n: int) -> np.ndarray:
+        if name not in self.params:
+            self.params[name] = np.zeros(n, np.float32)
+        return self.params[name]
+
+    def hops(self, unit: str) -> list[str]:
+        return [h for h in self.store._residuals if h.startswith(unit + "#")]
+
+
+def _reference_unit(t, st: _RefRank, g: np.ndarray, keys: list[str], lengths: list[int],
+                    codec: str, algo: str, step: int) -> np.ndarray:
+    """What the hook must return for one unit on rank ``t.rank``: g * fl(1/p) plus the
+    parameters' residuals, reduced by ``compressed_allreduce`` under the unit's key."""
+    from gradcomm.collectives.compressed import HOP_ALGORITHMS, compressed_allreduce
+
+    unit = unit_key(keys)
+    st.units[unit] = (list(keys), list(lengths))
+    st.used.add(unit)
+    st.store.now = step
+    x = g * np.float32(1.0 / t.size)
+    starts = np.concatenate([[0], np.cumsum(lengths)]).astype(int)
+    per_hop = algo in HOP_ALGORITHMS
+    if st.store.enabled:
+        if per_hop:           # the hop residuals carry the error; folded mass is added here
+            for name, a, b in zip(keys, starts[:-1], starts[1:]):
+                if name in st.params:
+                    x[a:b] += st.params[name]
+                    st.params[name][:] = 0
+        else:                 # the unit's residual is its parameters' residuals, in order
+            e = st.store.residual(unit, int(starts[-1]), np.float32)
+            for name, a, b in zip(keys, starts[:-1], starts[1:]):
+                e[a:b] = st.param(name, b - a)
+    out = compressed_allreduce(t, x, "float32", op="sum", algorithm=algo,
+                               compressor=codec, seed=0, residuals=st.store, key=unit,
+                               **OPTIONS.get(codec, {}))
+    if st.store.enabled and not per_hop:
+        e = st.store._residuals.pop(unit)
+        for name, a, b in zip(keys, starts[:-1], starts[1:]):
+            st.params[name] = e[a:b].copy()
+    return np.array(out, copy=True)
+
+
+def _reference_fold(ranks: list[_RefRank]) -> int:
+    """End of an iteration: every unit not reduced in it has its hop residuals added to
+    its parameters' residuals, each divided by the number of ranks holding it with the
+    same offset and bytes (a replicated partial sum is owed once). Returns the hops
+    folded."""
+    folded = 0
+    for st in ranks:
+        copies = {}
+        for unit in st.units:
+            if unit in st.used:
+                continue
+            for h in st.hops(unit):
+                e = st.store._residuals[h]
+                copies[h] = sum(1 for o in ranks if h in o.store._residuals
+                                and o.store.offsets.get(h) == st.store.offsets.get(h)
+                                and o.store._residuals[h].tobytes() == e.tobytes())
+        st.copies = copies
+    for st in ranks:
+        for unit in [u for u in st.units if u not in st.used]:
+            names, lengths = st.units.pop(unit)
+            starts = np.concatenate([[0], np.cumsum(lengths)]).astype(int)
+            for h in st.hops(unit):
+                e = st.store._residuals.pop(h)
+                off = st.store.offsets.pop(h)
+                if st.copies[h] > 1:
+                    e = e / np.float32(st.copies[h])
+                for name, a, b in zip(names, starts[:-1], starts[1:]):
+                    lo, hi = max(off, a), min(off + e.size, b)
+                    if lo < hi:
+                        st.param(name, b - a)[lo - a:hi - a] += e[lo - off:hi - off]
+                folded += 1
+        st.used = set()
+    return folded
+
+
+def _recording(names: dict[int, str], calls: list):  # noqa: ANN202 - DDP checks annotations
+    """A hook that records each bucket (parameter names, sizes, a copy of its input taken
+    before the hook runs) and its future, then runs gradcomm's hook."""
+    from gradcomm.integrations.ddp import comm_hook
+
+    def hook(state, bucket):  # unannotated: DDP rejects annotations other than its types
+        params = bucket.parameters()
+        entry = [[names[id(q)] for q in params], [int(q.numel()) for q in params],
+                 bucket.buffer().detach().clone()]
+        fut = comm_hook(state, bucket)
+        calls.append(entry + [fut])
+        return fut
+
+    return hook
+
+
+def _exact_case(codec: str, algo: str, ef: bool, steps: int) -> str:
+    """Train ``steps`` iterations through the recording hook (bucket_cap_mb changes half
+    way: new units, folded hop residuals), gather every rank's bucket inputs, reduce them
+    with the reference, compare outputs and final residuals bitwise."""
+    p, me = dist.get_world_size(), dist.get_rank()
+    module = make_model()
+    names = {id(q): n for n, q in module.named_parameters()}
+    state, _ = make_comm_hook(codec, algorithm=algo, error_feedback=ef, model=module,
+                              transport=TRANSPORT,
+                              **OPTIONS.get(codec, {}))
+    opt = torch.optim.SGD(module.parameters(), lr=0.05)
+    ranks = [_RefRank(ef) for _ in range(p)]
+    mine = ranks[me]
+    folded = 0
+    ddp = None
+    for step in range(steps):
+        if step in (0, steps // 2):             # a new DDP, other buckets, the same state
+            ddp = DDP(module, bucket_cap_mb=CAP if step == 0 else 3 * CAP)
+            calls: list = []
+            ddp.register_comm_hook(state, _recording(names, calls))
+        calls.clear()
+        opt.zero_grad()
+        loss_of(ddp, batch(step)).backward()
+        layout = [(k, n) for k, n, _, _ in calls]
+        got = torch.cat([f.value().detach().reshape(-1).clone() for *_, f in calls])
+        inputs = torch.cat([c[2].reshape(-1) for c in calls])
+        every = [torch.empty_like(inputs) for _ in range(p)]
+        dist.all_gather(every, inputs)
+        layouts = [None] * p
+        dist.all_gather_object(layouts, layout)
+        if any(lay != layout for lay in layouts):
+            fail(f"exact {codec}/{algo}: bucket layouts differ across ranks: {layouts}")
+            break
+        opt.step()
+        per_rank = [[] for _ in range(p)]
+        for r in range(p):
+            at = 0
+            for k, n in layout:
+                per_rank[r].append(every[r][at:at + sum(n)].numpy().copy())
+                at += sum(n)
+
+        def run(t, step=step, per_rank=per_rank, layout=layout):
+            return np.concatenate([
+                _reference_unit(t, ranks[t.rank], g, k, n, codec, algo, step)
+                for g, (k, n) in zip(per_rank[t.rank], layout)])
+
+        want = gradcomm.comm.run_ranks(p, run, timeout=60)
+        folded += _reference_fold(ranks)
+        if got.numpy().tobytes() != want[me].tobytes():
+            bad = np.flatnonzero(got.numpy().view(np.uint32) != want[me].view(np.uint32))
+            fail(f"exact {codec}/{algo} ef={ef} step {step}: {bad.size} of {got.numel()} "
+                 f"elements differ from the reference (first {bad[:5].tolist()}: "
+                 f"{got.numpy()[bad[:3]].tolist()} vs {want[me][bad[:3]].tolist()})")
+            break
+    else:
+        state.flush()
+        ref = {**mine.params, **mine.store._residuals}
+        hook = {k: np.asarray(v) for k, v in state.residuals._residuals.items()}
+        for k in sorted(set(ref) | set(hook)):
+            a = hook.get(k, np.zeros_like(ref.get(k, np.zeros(0, np.float32))))
+            b = ref.get(k, np.zeros_like(a))
+            if a.tobytes() != b.tobytes():
+                fail(f"exact {codec}/{algo} ef={ef}: residual {k} differs from the "
+                     f"reference after {steps} steps")
+                break
+    state.close()
+    mass = sum(float(np.abs(v).sum()) for v in [*mine.params.values(),
+                                                *mine.store._residuals.values()])
+    return f"{codec}/{algo} ef={ef}: {folded} hops folded, |residuals| {mass:.3g}"
+
+
+def check_exact(steps: int = 4) -> None:
+    """The compressed hook's output buckets equal, bitwise, an independent reduction of
+    every rank's bucket inputs (``compressed_allreduce`` on in-process ranks with the
+    hook's keys, seed, steps and per-parameter residual layout), every step, and its
+    residuals equal the reference's at the end; gathered and per-hop routes, with and
+    without error feedback."""
+    done = []
+    for codec, algo, ef in EXACT:
+        if QUICK and codec not in QUICK["codecs"]:
+            continue
+        done.append(_exact_case(codec, algo, ef, QUICK.get("steps", steps)))
+    INFO["exact"] = done
+
+
+CHECKS = {"exact": check_exact, "parity": check_parity, "warmup": check_warmup, "compressors": check_compressors, "rebuild": check_rebuild,
           "resume": check_resume, "join": check_join, "resize": check_resize}
 
 

@@ -732,6 +732,31 @@ def _choose(t: Transport, codec: Compressor, n: int, dtype: str, itemsize: int) 
     return min(times, key=lambda r: (times[r], r == per_hop))    # ties: exact route
 
 
+def auto_route(t: Transport, compressor: Any, n: int, dtype: str, *, device: bool = False,
+               **options: Any) -> str:
+    """The route ``algorithm="auto"`` takes on ``t`` for ``n`` elements of logical
+    ``dtype`` through ``compressor`` (a name with ``options``, or a codec): one of
+    :data:`HOP_ALGORITHMS` or :data:`GATHER_ALGORITHMS`. ``device``: the buffer is a device
+    array (gather routes only). Local (no communication): it reads the profile the ranks
+    already agreed on, if any. PowerSGD, whose rounds each pick a dense algorithm, gives
+    ``"auto"``.
+
+    Example:
+        >>> from gradcomm.comm import run_ranks
+        >>> run_ranks(4, lambda t: auto_route(t, "int8", 10**6, "float32"))[0]
+        'rabenseifner'
+    """
+    codec = compressors.get(compressor, **options)
+    if codec.name == "powersgd":
+        return "auto"
+    if device:
+        return "sparse_allgather" if is_sparse(codec) else "allgather"
+    wdt = "float64" if dtype == "float64" else "float32"
+    from .._dtypes import storage
+
+    return _choose(t, codec, n, wdt, storage(dtype).itemsize)
+
+
 def segment_codec(codec: Compressor, n: int) -> Compressor:
     """The codec a per-hop wire uses on segments of an ``n``-element buffer: a codec told
     to keep ``k`` elements keeps the same fraction ``k/n`` of every segment instead."""
@@ -1037,4 +1062,4 @@ def _narrow(x: np.ndarray, buf: np.ndarray, dtype: str) -> np.ndarray:
 
 
 __all__ = ["COMPRESSED_ALGORITHMS", "CompressedWire", "GATHER_ALGORITHMS", "HOP_ALGORITHMS",
-           "compressed_allreduce", "is_sparse", "max_nbytes", "segment_codec"]
+           "auto_route", "compressed_allreduce", "is_sparse", "max_nbytes", "segment_codec"]

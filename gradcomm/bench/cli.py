@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 from ..errors import ConfigError, GradcommError
 from . import launch, report
-from .sweep import Baseline, Plan, Row, Variant, sweep
+from .sweep import Baseline, Plan, Row, Variant, agree_status, sweep
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20,
           "MB": 1 << 20, "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
@@ -92,6 +92,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="untimed warm-up iterations up to 1 MiB, fewer above (default 10)")
     p.add_argument("--min-iters", type=int, default=20,
                    help="timed iterations at least, however large the size (default 20)")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="rounds the timed calls of each size are split into; the variants "
+                        "take turns within each round (default 5)")
+    p.add_argument("--report-variant", metavar="LABEL", default=None,
+                   help="the row the summary reports against the baseline, named in "
+                        "advance (default: auto, added to the dense rows if absent)")
+    p.add_argument("--error-feedback", choices=("both", "off", "only"), default="both",
+                   help="compressed rows without and with error feedback "
+                        "(gradcomm.Allreduce(error_feedback=True), the DDP hook's default; "
+                        "contractive codecs only): both (default), off, only")
     p.add_argument("--no-check", action="store_true",
                    help="also measure each algorithm with check=False (no cross-rank "
                         "argument check), to show what the check costs")
@@ -167,6 +177,8 @@ def make_plan(args: argparse.Namespace, baseline: str | None) -> Plan:
         args.iters = 100
     if min(args.iters, args.min_iters) < 1 or args.warmup < 0:
         raise ConfigError("--iters and --min-iters must be >= 1 and --warmup >= 0")
+    if args.rounds < 1:
+        raise ConfigError("--rounds must be >= 1")
     if args.calibrate:
         if args.calibrate_iters < 1:
             raise ConfigError("--calibrate-iters must be >= 1")
@@ -196,6 +208,11 @@ def make_plan(args: argparse.Namespace, baseline: str | None) -> Plan:
     for name, _ in comps:
         if name is not None and name not in known:
             raise ConfigError(f"unknown compressor {name!r}; known: {', '.join(known)}")
+    from ..error_feedback import contractive
+
+    if args.report_variant is None and any(n is None for n, _ in comps) and \
+            "auto" not in algos:
+        algos = [*algos, "auto"]          # the summary's row, named in advance
     variants: list[Variant] = []
     if baseline and not args.no_baseline:
         variants.append(Variant(baseline, baseline=True))
@@ -208,11 +225,23 @@ def make_plan(args: argparse.Namespace, baseline: str | None) -> Plan:
             if name is not None and a == "native":
                 continue                      # the library's allreduce cannot compress
             checks = (True, False) if args.no_check else (True,)
-            variants.extend(Variant(a, name, c, opts) for c in checks)
+            efs: tuple[bool, ...] = (False,)
+            if name is not None:
+                codec = compressors.get(name, **dict(opts))
+                can = codec.lossy and contractive(codec)
+                efs = {"both": (False, True) if can else (False,), "off": (False,),
+                       "only": (True,) if can else ()}[args.error_feedback]
+            variants.extend(Variant(a, name, c, opts, error_feedback=e)
+                            for e in efs for c in checks)
     if not variants:
         raise ConfigError("nothing to measure: no algorithm/compressor combination applies")
+    report_variant = args.report_variant or "auto"
+    if args.report_variant and report_variant not in {v.label for v in variants}:
+        raise ConfigError(f"--report-variant {report_variant!r} is not measured; measured: "
+                          f"{', '.join(v.label for v in variants)}")
     return Plan(sizes=sizes, variants=variants, dtype=args.dtype, op=args.op,
-                iters=args.iters, warmup=args.warmup, min_iters=args.min_iters)
+                iters=args.iters, warmup=args.warmup, min_iters=args.min_iters,
+                rounds=args.rounds)
 
 
 def environment(t: Any, launcher: str) -> dict[str, Any]:
@@ -250,16 +279,19 @@ def _banner(env: dict[str, Any], plan: Plan) -> list[str]:
         f"{env['ranks']} ranks, transport {env['transport']} (started by {env['launcher']})",
         f"# {env['hostname']} ({env['cpus']} cpus, load {load[0]:.2f}), {env['date']}; {lib}"
         if load else f"# {env['hostname']}, {env['date']}; {lib}",
-        "# time: barrier, then perf_counter around each call; avg/min/max = over ranks of "
-        "each rank's mean (OSU);",
-        "# p50/p95 = over iterations of the slowest rank's time; algbw = size/p50, "
-        "busbw = algbw*2(p-1)/p; #wrong summed over ranks",
+        f"# time: variants interleaved in {plan.rounds} rounds per size; barrier, then "
+        "perf_counter around each call; avg/min/max = over ranks of each rank's mean (OSU);",
+        "# algbw = size/avg (mean), busbw = algbw*2(p-1)/p (nccl-tests); p50/p95 = over "
+        "calls of the slowest rank's time; spread = round means (max-min)/avg;",
+        "# #wrong: every timed call of every rank checked (dense: exact sum; compressed: "
+        "bitwise against the replay, and the codec's round trip must shrink its input)",
     ]
 
 
 def rank_main(t: Any, args: argparse.Namespace, plan: Plan, baseline: Baseline | None,
-              launcher: str) -> list[Row]:
-    """What every rank runs; rank 0 prints and writes the files."""
+              launcher: str) -> int:
+    """What every rank runs; rank 0 prints and writes the files. Returns the exit status,
+    the same on every rank: 1 when a checked element was wrong (``#wrong`` > 0), else 0."""
     printer = None
     env: dict[str, Any] = {}
     if t.rank == 0:
@@ -273,26 +305,36 @@ def rank_main(t: Any, args: argparse.Namespace, plan: Plan, baseline: Baseline |
     if args.calibrate and not args.sizes:
         if printer is not None:
             printer.close()
-        return []
+        return 0
     try:
         rows = sweep(t, plan, baseline, printer, profile)
     finally:
         if printer is not None:
             printer.close()
-    if t.rank != 0:
-        return rows
+    status = 0
+    if t.rank == 0:
+        status = _report(t, args, plan, baseline, rows, env, profile)
+    return agree_status(t, status)
+
+
+def _report(t: Any, args: argparse.Namespace, plan: Plan, baseline: Baseline | None,
+            rows: list[Row], env: dict[str, Any], profile: Any) -> int:
+    """Rank 0: summary line, JSON, plot; the exit status."""
     report.add_compression_ratios(rows)
     from ..collectives.auto import select
 
     base_op = "sum" if plan.op == "mean" else plan.op
     choice = {s: select(t, s, plan.dtype, base_op, native=True) for s in plan.sizes}
-    summary = report.summarize(rows, baseline.name if baseline else None, choice)
+    fitted = (profile.info.get("sizes") or []) if profile is not None else []
+    summary = report.summarize(rows, baseline.name if baseline else None, choice,
+                               variant=args.report_variant or "auto", fitted_sizes=fitted)
     print(report.summary_line(summary), flush=True)
     if hasattr(os, "getloadavg"):
         env["loadavg_end"] = list(os.getloadavg())
     config = {"sizes": plan.sizes, "variants": [v.label for v in plan.variants],
               "dtype": plan.dtype, "op": plan.op, "iters": plan.iters,
-              "warmup": plan.warmup, "min_iters": plan.min_iters}
+              "warmup": plan.warmup, "min_iters": plan.min_iters, "rounds": plan.rounds,
+              "report_variant": args.report_variant or "auto"}
     if args.json:
         report.write_json(args.json, env, config, rows, summary)
         print(f"# wrote {args.json}", flush=True)
@@ -300,7 +342,11 @@ def rank_main(t: Any, args: argparse.Namespace, plan: Plan, baseline: Baseline |
         title = f"allreduce {plan.dtype} {plan.op}, {t.size} ranks, {t.name} ({env['hostname']})"
         report.write_plot(args.plot, rows, title)
         print(f"# wrote {args.plot}", flush=True)
-    return rows
+    if summary["wrong"]:
+        print(f"gradcomm-bench: {summary['wrong']} wrong elements: exit status 1",
+              file=sys.stderr, flush=True)
+        return 1
+    return 0
 
 
 def _profile(t: Any, args: argparse.Namespace, printer: Any) -> Any:
@@ -352,13 +398,14 @@ def _run_mpi(args: argparse.Namespace) -> int:
     t, MPI, base = launch.mpi_world()
     t.timeout = float(args.timeout)
     plan = make_plan(args, base.name)         # same on every rank; errors alike on every rank
+    status = 1
     try:
-        rank_main(t, args, plan, base, "mpiexec")
+        status = rank_main(t, args, plan, base, "mpiexec")
     except BaseException:
         sys.stderr.write(f"gradcomm-bench: rank {t.rank} failed:\n{traceback.format_exc()}")
         sys.stderr.flush()
         MPI.COMM_WORLD.Abort(1)
-    return 0
+    return status
 
 
 def _run_torch(args: argparse.Namespace) -> int:
@@ -368,11 +415,11 @@ def _run_torch(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     try:
-        rank_main(t, args, plan, base, "torchrun")
+        status = rank_main(t, args, plan, base, "torchrun")
         dist.barrier()    # no rank tears gloo down while a peer still talks (it aborts)
     finally:
         dist.destroy_process_group()
-    return 0
+    return status
 
 
 def _run_threads(args: argparse.Namespace, note: str = "") -> int:
@@ -383,9 +430,9 @@ def _run_threads(args: argparse.Namespace, note: str = "") -> int:
     plan = make_plan(args, None)
     if note:
         print(note, flush=True)
-    run_ranks(args.np, lambda t: rank_main(t, args, plan, None, "threads"),
-              timeout=30 * 24 * 3600.0, wait_timeout=args.timeout)
-    return 0
+    codes = run_ranks(args.np, lambda t: rank_main(t, args, plan, None, "threads"),
+                      timeout=30 * 24 * 3600.0, wait_timeout=args.timeout)
+    return max(codes)
 
 
 def _run_codecs(args: argparse.Namespace) -> int:

@@ -5,7 +5,7 @@ Example:
     >>> r = Row(4096, 1024, "float32", "sum", "ring", None, True, "ring", 10, 1, 20.0, 19.0,
     ...         21.0, 20.0, 22.0, 0.2048, 0.2048, 4096.0, 2.0, None, 0)
     >>> print(format_row(r))  # doctest: +NORMALIZE_WHITESPACE
-    4096  1024  float32  ring  -  yes  10  20.0  19.0  21.0  20.0  22.0  -  0.20  0.20  4096  -  0
+    4096  1024  float32  ring  -  yes  10  20.0  19.0  21.0  20.0  22.0  -  -  0.20  0.20  4096  -  0
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ COLUMNS: tuple[tuple[str, int, str], ...] = (
     ("algorithm", 19, "algorithm"), ("compressor", 16, "compressor"), ("check", 5, "check"),
     ("iters", 5, "iters"), ("avg(us)", 10, "avg_us"), ("min(us)", 10, "min_us"),
     ("max(us)", 10, "max_us"), ("p50(us)", 10, "p50_us"), ("p95(us)", 10, "p95_us"),
-    ("pred(us)", 10, "pred_us"),
+    ("spread(%)", 9, "spread_pct"), ("pred(us)", 10, "pred_us"),
     ("algbw(GB/s)", 11, "algbw_gbs"), ("busbw(GB/s)", 11, "busbw_gbs"),
     ("wire(B/rank)", 12, "wire_bytes"), ("rel_err", 8, "rel_err"), ("#wrong", 6, "wrong"),
 )
@@ -39,6 +39,8 @@ def _cell(attr: str, value: Any) -> str:
         return f"{value:.1f}"
     if attr.endswith("_gbs"):
         return f"{value:.2f}"
+    if attr == "spread_pct":
+        return f"{value:.1f}"
     if attr == "wire_bytes":
         return f"{value:.0f}"
     if attr == "rel_err":
@@ -59,7 +61,8 @@ def format_row(row: Row) -> str:
     for _, w, a in COLUMNS:
         text = _cell(a, row.extra.get(a) if a == "pred_us" else getattr(row, a))
         if a == "compressor" and row.compressor is not None:
-            text = row.label.split("+")[1]          # with its options, e.g. topk,ratio=0.01
+            # with its options and error feedback, e.g. topk,ratio=0.01+ef
+            text = "+".join(x for x in row.label.split("+")[1:] if x != "nocheck")
         cells.append(f"{text:>{w}}")
     return " ".join(cells)
 
@@ -137,12 +140,12 @@ def add_compression_ratios(rows: Sequence[Row]) -> None:
 # -- summary ---------------------------------------------------------------------------
 
 def _ok(r: Row) -> bool:
-    return not r.note and r.p50_us is not None and r.wrong == 0
+    return not r.note and r.avg_us is not None
 
 
-def _is_gradcomm(r: Row) -> bool:
-    """A gradcomm algorithm as users call it: checked, dense, not the native pass-through."""
-    return r.check is True and r.compressor is None and r.algorithm != "native"
+def _is_dense_checked(r: Row) -> bool:
+    """A dense row as users call gradcomm (with the check), or the baseline."""
+    return r.compressor is None and not r.error_feedback and r.check in (True, None)
 
 
 def _reference(rows: Sequence[Row], baseline: str | None) -> str:
@@ -152,67 +155,101 @@ def _reference(rows: Sequence[Row], baseline: str | None) -> str:
     return "native"
 
 
-def summarize(rows: Sequence[Row], baseline: str | None = None,
-              auto_choice: dict[int, str] | None = None) -> dict[str, Any]:
-    """Best gradcomm vs the reference (the raw baseline if measured, else ``native``):
-    busbw at the largest size, the worst busbw ratio over 16–64 MiB (issue 2's target
-    window) and median latency at 4 KiB (else at the smallest size measured).
+def _spread(values: Sequence[float]) -> dict[str, float]:
+    return {"min": min(values), "median": float(statistics.median(values)),
+            "max": max(values)}
 
-    "Best gradcomm" is the best dense algorithm called as users call it (with the check),
-    excluding the ``native`` pass-through; only rows with ``#wrong`` 0 count.
+
+def round_ratios(num: Row, den: Row) -> list[float]:
+    """``num``'s round mean times over ``den``'s, round by round (the two rows ran in
+    the same rounds, interleaved).
+
+    Example:
+        >>> a = Row(8, 2, "float32", "sum", "x", None, True, "x", extra={"round_us": [4, 6]})
+        >>> b = Row(8, 2, "float32", "sum", "y", None, True, "y", extra={"round_us": [2, 2]})
+        >>> round_ratios(a, b)
+        [2.0, 3.0]
+    """
+    xs, ys = num.extra.get("round_us") or [], den.extra.get("round_us") or []
+    return [x / y for x, y in zip(xs, ys) if y]
+
+
+def summarize(rows: Sequence[Row], baseline: str | None = None,
+              auto_choice: dict[int, str] | None = None, *, variant: str = "auto",
+              fitted_sizes: Sequence[int] = ()) -> dict[str, Any]:
+    """The row named ``variant`` (named in advance: ``auto`` by default, never the best
+    of several) against the reference (the raw baseline if measured, else ``native``):
+    busbw at the largest size, the worst busbw ratio over 16–64 MiB (issue 2's target
+    window) and mean latency at 4 KiB (else at the smallest size measured), each with its
+    spread over the rounds (the ratio of the two rows' round means, round by round).
+    Targets are met only when no element anywhere was wrong.
 
     ``auto_choice`` (size -> the algorithm ``auto`` picks there) adds how often that is
-    the measured fastest of the checked dense rows (``native`` included) at sizes where
-    two or more were measured, and how often it is within 10 % of it. Rows with a model
-    prediction add the median relative error of the predictions."""
+    the measured fastest (mean time) of the checked dense rows (``native`` included) at
+    sizes where two or more were measured, and how often it is within 10 % of it. Rows
+    with a model prediction add the median relative error of the predictions, scored
+    only at sizes the calibration did not measure (``fitted_sizes``: held out)."""
     ref = _reference(rows, baseline)
     by_size: dict[int, list[Row]] = {}
     for r in rows:
         if _ok(r):
             by_size.setdefault(r.size, []).append(r)
-    out: dict[str, Any] = {"reference": ref, "wrong": sum(r.wrong or 0 for r in rows),
+    wrong = sum(r.wrong or 0 for r in rows)
+    out: dict[str, Any] = {"reference": ref, "variant": variant, "wrong": wrong,
+                           "wrong_rows": sorted({f"{r.size} {r.label}" for r in rows
+                                                 if r.wrong}),
                            "unsupported": sorted({r.label for r in rows if r.note})}
 
-    def pair(size: int, key: str, best: Any) -> tuple[Row, Row] | None:
+    def pair(size: int) -> tuple[Row, Row] | None:
         group = by_size.get(size, [])
-        cands = [r for r in group if _is_gradcomm(r) and getattr(r, key) is not None]
-        refs = [r for r in group if r.algorithm == ref and (r.check in (True, None))]
-        if not cands or not refs:
+        mine = [r for r in group if r.label == variant]
+        refs = [r for r in group if r.algorithm == ref and _is_dense_checked(r)]
+        if not mine or not refs or mine[0] is refs[0]:
             return None
-        return best(cands, key=lambda r: getattr(r, key)), refs[0]
+        return mine[0], refs[0]
+
+    def speedup(pr: tuple[Row, Row]) -> tuple[float, dict[str, float] | None]:
+        per_round = round_ratios(pr[1], pr[0])          # reference time / variant time
+        return pr[1].avg_us / pr[0].avg_us, (_spread(per_round) if per_round else None)  # type: ignore[operator]
 
     if by_size:
         big = max(by_size)
-        pr = pair(big, "busbw_gbs", max)
+        pr = pair(big)
         if pr:
-            out["largest"] = {"size": big, "best": pr[0].label, "busbw": pr[0].busbw_gbs,
-                              "reference_busbw": pr[1].busbw_gbs,
-                              "ratio": pr[0].busbw_gbs / pr[1].busbw_gbs}  # type: ignore
-        window = [s for s in by_size if 16 << 20 <= s <= 64 << 20]
+            ratio, rounds = speedup(pr)
+            out["largest"] = {"size": big, "variant": variant, "busbw": pr[0].busbw_gbs,
+                              "reference_busbw": pr[1].busbw_gbs, "ratio": ratio,
+                              "rounds": rounds}
+        window = [s for s in sorted(by_size) if 16 << 20 <= s <= 64 << 20]
         ratios = []
-        for s in sorted(window):
-            pr = pair(s, "busbw_gbs", max)
+        for s in window:
+            pr = pair(s)
             if pr:
-                ratios.append((pr[0].busbw_gbs / pr[1].busbw_gbs, s, pr[0].label))  # type: ignore
+                ratio, rounds = speedup(pr)
+                ratios.append((ratio, s, rounds))
         if ratios:
-            worst = min(ratios)
+            worst = min(ratios, key=lambda x: x[0])
             out["busbw_16_64MiB"] = {"min_ratio": worst[0], "at_size": worst[1],
-                                     "best": worst[2], "target": 1.3,
-                                     "met": worst[0] >= 1.3}
+                                     "variant": variant, "rounds": worst[2], "target": 1.3,
+                                     "met": worst[0] >= 1.3 and not wrong}
         small = 4096 if 4096 in by_size else min(by_size)
-        pr = pair(small, "p50_us", min)
+        pr = pair(small)
         if pr:
-            lat = out["latency"] = {"size": small, "best": pr[0].label,
-                                    "p50_us": pr[0].p50_us, "reference_p50_us": pr[1].p50_us,
-                                    "ratio": pr[0].p50_us / pr[1].p50_us}  # type: ignore
+            per_round = round_ratios(pr[0], pr[1])       # variant time / reference time
+            lat = out["latency"] = {"size": small, "variant": variant,
+                                    "avg_us": pr[0].avg_us, "reference_avg_us": pr[1].avg_us,
+                                    "ratio": pr[0].avg_us / pr[1].avg_us,  # type: ignore[operator]
+                                    "rounds": _spread(per_round) if per_round else None}
             if small == 4096:
-                lat.update(target=2.0, met=lat["ratio"] <= 2.0)
+                lat.update(target=2.0, met=lat["ratio"] <= 2.0 and not wrong)
     if auto_choice:
         out["auto"] = _auto_hits(by_size, auto_choice)
-    errs = [abs(r.extra["pred_us"] / r.p50_us - 1) for r in rows
-            if _ok(r) and r.extra.get("pred_us") and r.p50_us]
+    fitted = {int(s) for s in fitted_sizes}
+    errs = [abs(r.extra["pred_us"] / r.avg_us - 1) for r in rows
+            if _ok(r) and r.extra.get("pred_us") and r.avg_us and r.size not in fitted]
     if errs:
-        out["model"] = {"rows": len(errs), "median_rel_error": float(statistics.median(errs))}
+        out["model"] = {"rows": len(errs), "median_rel_error": float(statistics.median(errs)),
+                        "held_out": bool(fitted)}
     return out
 
 
@@ -220,15 +257,20 @@ def _auto_hits(by_size: dict[int, list[Row]], choice: dict[int, str]) -> dict[st
     detail = []
     for size in sorted(by_size):
         cands = [r for r in by_size[size] if r.compressor is None and r.check is True
-                 and r.algorithm != "auto" and r.p50_us]
+                 and not r.error_feedback and r.algorithm != "auto" and r.avg_us]
         picked = [r for r in cands if r.algorithm == choice.get(size)]
         if len(cands) < 2 or not picked:
             continue
-        best = min(cands, key=lambda r: r.p50_us)   # type: ignore[arg-type, return-value]
+        best = min(cands, key=lambda r: r.avg_us)   # type: ignore[arg-type, return-value]
         detail.append({"size": size, "auto": picked[0].algorithm, "best": best.algorithm,
-                       "slowdown": picked[0].p50_us / best.p50_us})  # type: ignore[operator]
+                       "slowdown": picked[0].avg_us / best.avg_us})  # type: ignore[operator]
     return {"sizes": len(detail), "best": sum(d["auto"] == d["best"] for d in detail),
             "within_10pct": sum(d["slowdown"] <= 1.1 for d in detail), "detail": detail}
+
+
+def _range(g: dict[str, Any]) -> str:
+    r = g.get("rounds")
+    return f" [rounds {r['min']:.2f}-{r['max']:.2f}]" if r else ""
 
 
 def summary_line(s: dict[str, Any]) -> str:
@@ -236,24 +278,30 @@ def summary_line(s: dict[str, Any]) -> str:
     parts = []
     if "largest" in s:
         g = s["largest"]
-        parts.append(f"{_size(g['size'])}: best busbw {g['busbw']:.2f} GB/s ({g['best']}) = "
-                     f"{g['ratio']:.2f}x {s['reference']} ({g['reference_busbw']:.2f})")
+        parts.append(f"{_size(g['size'])}: {g['variant']} busbw {g['busbw']:.2f} GB/s = "
+                     f"{g['ratio']:.2f}x {s['reference']} ({g['reference_busbw']:.2f})"
+                     f"{_range(g)}")
     if "busbw_16_64MiB" in s:
         g = s["busbw_16_64MiB"]
-        parts.append(f"16-64 MiB worst ratio {g['min_ratio']:.2f}x (target >= 1.3)")
+        parts.append(f"16-64 MiB worst ratio {g['min_ratio']:.2f}x at {_size(g['at_size'])}"
+                     f"{_range(g)} (target >= 1.3: {'met' if g['met'] else 'not met'})")
     if "latency" in s:
         g = s["latency"]
-        target = ", target <= 2" if "target" in g else ""
-        parts.append(f"{_size(g['size'])}: best latency {g['p50_us']:.1f} us ({g['best']}) = "
-                     f"{g['ratio']:.2f}x {s['reference']} ({g['reference_p50_us']:.1f} us"
-                     f"{target})")
+        target = (f", target <= 2: {'met' if g['met'] else 'not met'}" if "target" in g
+                  else "")
+        parts.append(f"{_size(g['size'])}: {g['variant']} latency {g['avg_us']:.1f} us = "
+                     f"{g['ratio']:.2f}x {s['reference']} ({g['reference_avg_us']:.1f} us"
+                     f"{target}){_range(g)}")
+    if not any(k in s for k in ("largest", "latency")):
+        parts.append(f"{s.get('variant', 'auto')} vs {s['reference']}: not both measured")
     if s.get("auto", {}).get("sizes"):
         g = s["auto"]
         parts.append(f"auto picks the measured best at {g['best']}/{g['sizes']} sizes "
                      f"(within 10 % at {g['within_10pct']})")
     if "model" in s:
+        held = " at held-out sizes" if s["model"].get("held_out") else ""
         parts.append(f"model error median {s['model']['median_rel_error'] * 100:.0f} % "
-                     f"({s['model']['rows']} rows)")
+                     f"({s['model']['rows']} rows{held})")
     parts.append(f"#wrong {s['wrong']}")
     return "# summary: " + "; ".join(parts)
 
@@ -286,7 +334,7 @@ def require_matplotlib() -> None:
 
 
 def write_plot(path: str, rows: Sequence[Row], title: str) -> None:
-    """busbw and median time against size, one line per variant."""
+    """busbw and mean time against size, one line per variant."""
     require_matplotlib()
     import matplotlib
 
@@ -295,20 +343,20 @@ def write_plot(path: str, rows: Sequence[Row], title: str) -> None:
 
     lines: dict[str, list[Row]] = {}
     for r in rows:
-        if r.p50_us is not None:
+        if r.avg_us is not None:
             lines.setdefault(r.label, []).append(r)
     fig, (ax_bw, ax_t) = plt.subplots(1, 2, figsize=(13, 5))
     for label, rs in lines.items():
         xs = [r.size for r in rs]
         ax_bw.plot(xs, [r.busbw_gbs or 0.0 for r in rs], marker=".", label=label)
-        ax_t.plot(xs, [r.p50_us for r in rs], marker=".", label=label)
+        ax_t.plot(xs, [r.avg_us for r in rs], marker=".", label=label)
     for ax in (ax_bw, ax_t):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("message size (bytes)")
         ax.grid(True, which="both", alpha=0.3)
     ax_bw.set_ylabel("busbw (GB/s)")
     ax_t.set_yscale("log")
-    ax_t.set_ylabel("median time (µs)")
+    ax_t.set_ylabel("mean time (µs)")
     ax_bw.legend(fontsize="small")
     fig.suptitle(title)
     fig.tight_layout()

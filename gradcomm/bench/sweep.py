@@ -1,23 +1,37 @@
 """The measurement itself: every rank runs :func:`sweep` with the same plan.
 
-For each size (outer loop) and each variant (inner loop) every rank runs ``warmup``
-untimed calls, then ``iters`` timed ones. Before each timed call the ranks meet at a
+For each size (outer loop) every variant is first set up and warmed up (``warmup``
+untimed calls), then the variants take turns, round-robin, over ``rounds`` rounds of
+``iters / rounds`` timed calls each, so a slow phase of a shared machine lands on every
+variant alike instead of on whichever ran then. Before each timed call the ranks meet at a
 barrier (not timed), then each rank times its own call with ``time.perf_counter`` — the
 way OSU's ``osu_allreduce`` does. Rank 0 gathers the per-rank, per-iteration times and
 reports:
 
 * ``avg``/``min``/``max``: OSU's columns — the mean over iterations on each rank, then
   the average, minimum and maximum of those means over ranks;
+* ``algbw = size / avg`` and ``busbw = algbw · 2(p−1)/p`` (nccl-tests' allreduce factor),
+  in GB/s (10^9 bytes), from the **mean** time as OSU and nccl-tests report;
 * ``p50``/``p95``: median and 95th percentile over iterations of the iteration time of the
-  collective, i.e. the slowest rank's time in that iteration;
-* ``algbw = size / p50`` and ``busbw = algbw · 2(p−1)/p`` (nccl-tests' allreduce factor),
-  in GB/s (10^9 bytes). The median keeps one descheduled iteration from moving the figure.
+  collective, i.e. the slowest rank's time in that iteration (extra columns);
+* ``spread``: (slowest − fastest round mean) / mean, in %, and ``extra["round_us"]``, the
+  mean time of each round.
 
-Correctness (never timed): for dense and lossless rows the result of the last call is
-compared elementwise with the exact expected result on every rank, and ``#wrong`` is the
-sum over ranks of differing elements. Compressed rows are lossy by design: ``#wrong`` is
-the sum over ranks of elements whose bytes differ from rank 0's (every rank must hold the
-same bytes) and ``rel_err`` is ``||result − exact|| / ||exact||`` on Gaussian data.
+Correctness (never timed), on **every** timed call of every rank:
+
+* dense rows: the result against :func:`gradcomm.bench.data.exact_result`, elementwise;
+* compressed rows: the result against :func:`gradcomm.bench.replay.replay` of every rank's
+  input (each rank regenerates the others' inputs from ``(rank, count)``; no extra
+  communication) at the call's step — bitwise, so a wrong segment, seed, summation order
+  or a forgotten residual shows. Rows with error feedback replay every call (warm-up ones
+  too) with one residual store per rank, so each call is judged with the residuals it
+  really had;
+* compressed rows with a contractive codec (those error feedback accepts): once per row,
+  each rank's round trip ``d = decompress(compress(x))`` must shrink its input,
+  ``||x − d|| < ||x||``. The replay uses the same codec, so this is the check that judges
+  the codec itself: a decoder returning zeros fails it, and all ``n`` elements count.
+
+``#wrong`` is the number of mismatching elements over all checked calls and all ranks.
 
 Example:
     >>> from gradcomm.comm import run_ranks
@@ -48,6 +62,8 @@ LARGE = 1 << 20
 TAG_BENCH = TAG_USER + 17
 #: compressors whose results are exact (checked against the exact expected values)
 LOSSLESS = (None, "none")
+#: the key every benchmark call uses (its crc32 seeds the stochastic codecs)
+KEY = "default"
 
 
 @dataclass(frozen=True)
@@ -55,7 +71,13 @@ class Variant:
     """One line of the plot: an algorithm, a compressor, with or without the check.
 
     ``baseline`` variants call the library directly (e.g. ``MPI_Allreduce``) and have no
-    compressor or check.
+    compressor or check. ``error_feedback`` variants call
+    ``gradcomm.Allreduce(..., error_feedback=True)`` (the DDP hook's default), one object
+    per (size, variant), so residuals carry from call to call.
+
+    Example:
+        >>> Variant("ring", "topk", options=(("ratio", 0.01),), error_feedback=True).label
+        'ring+topk,ratio=0.01+ef'
     """
 
     algorithm: str
@@ -63,12 +85,15 @@ class Variant:
     check: bool = True
     options: tuple[tuple[str, Any], ...] = ()
     baseline: bool = False
+    error_feedback: bool = False
 
     @property
     def label(self) -> str:
         parts = [self.algorithm]
         if self.compressor is not None:
             parts.append(self.compressor + "".join(f",{k}={v}" for k, v in self.options))
+        if self.error_feedback:
+            parts.append("ef")
         if not self.check and not self.baseline:
             parts.append("nocheck")
         return "+".join(parts)
@@ -96,6 +121,7 @@ class Plan:
     iters: int = 100
     warmup: int = 10
     min_iters: int = 20
+    rounds: int = 5
 
 
 @dataclass
@@ -125,6 +151,9 @@ class Row:
     wrong: int | None = None
     note: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    rounds: int = 0
+    spread_pct: float | None = None
+    error_feedback: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -157,11 +186,36 @@ def iterations(size: int, plan: Plan) -> tuple[int, int]:
     return iters, warmup
 
 
+def round_sizes(iters: int, rounds: int) -> list[int]:
+    """Timed calls per round: ``iters`` split as evenly as possible over at most
+    ``rounds`` rounds (every round has at least one call).
+
+    Example:
+        >>> round_sizes(20, 3), round_sizes(2, 5)
+        ([7, 7, 6], [1, 1])
+    """
+    k = max(1, min(rounds, iters))
+    base, extra = divmod(iters, k)
+    return [base + (1 if i < extra else 0) for i in range(k)]
+
+
+def bandwidths(size: int, seconds: float, p: int) -> tuple[float, float]:
+    """nccl-tests' allreduce figures in GB/s: ``algbw = size / time`` and
+    ``busbw = algbw · 2(p−1)/p``.
+
+    Example:
+        >>> bandwidths(10**9, 0.5, 4)
+        (2.0, 3.0)
+    """
+    algbw = size / seconds / 1e9
+    return algbw, algbw * 2 * (p - 1) / p
+
+
 def sweep(t: Transport, plan: Plan, baseline: Baseline | None = None,
           reporter: Reporter | None = None, profile: Profile | None = None) -> list[Row]:
     """Measure every (size, variant) of ``plan`` on every rank; rows on rank 0 only.
 
-    ``reporter`` (rank 0) gets progress and each row as soon as it is measured. With a
+    ``reporter`` (rank 0) gets progress and each row once its size is done. With a
     ``profile`` (the one the ranks agreed on) each dense row carries the model's
     prediction in ``extra["pred_us"]``.
     """
@@ -172,13 +226,23 @@ def sweep(t: Transport, plan: Plan, baseline: Baseline | None = None,
     rows: list[Row] = []
     for size in sizes:
         count = size // itemsize
-        expected: dict[str, Any] = {}     # cached per size: exact / gaussian references
+        inputs = _Inputs(t.size, count, plan.dtype, plan.op)
+        runs = []
         for v in plan.variants:
             if reporter is not None:
-                reporter.step(f"{_human(count * itemsize)} {v.label}")
-            row = _measure(t, plan, v, count, baseline, expected)
+                reporter.step(f"{_human(count * itemsize)} {v.label}: warm-up")
+            runs.append(_Run(t, plan, v, count, baseline, inputs))
+        per_round = round_sizes(runs[0].iters, plan.rounds) if runs else []
+        for r, k in enumerate(per_round):
+            for run in runs:
+                if reporter is not None:
+                    reporter.step(f"{_human(count * itemsize)} round {r + 1}/"
+                                  f"{len(per_round)} {run.v.label}")
+                run.timed(k, r)
+        for run in runs:
+            row = run.finish(len(per_round))
             if t.rank == 0:
-                pred = predicted(t, profile, v, row.size, plan.dtype, plan.op)
+                pred = predicted(t, profile, run.v, row.size, plan.dtype, plan.op)
                 if pred is not None and not row.note:
                     row.extra["pred_us"] = pred * 1e6
                 rows.append(row)
@@ -211,90 +275,211 @@ def predicted(t: Transport, profile: Profile | None, v: Variant, size: int, dtyp
     return profile.call_time(alg, size, t.size, dtype, check=v.check)
 
 
-def _measure(t: Transport, plan: Plan, v: Variant, count: int, baseline: Baseline | None,
-             expected: dict[str, Any]) -> Row:
-    dtype, op, p = plan.dtype, plan.op, t.size
-    size = count * storage(dtype).itemsize
-    iters, warmup = iterations(size, plan)
-    row = Row(size, count, dtype, op, v.algorithm, v.compressor,
-              None if v.baseline else v.check, v.label, iters, warmup)
-    exact = v.compressor in LOSSLESS
-    x = data.exact_input(t.rank, count, dtype, op) if exact else \
-        data.gaussian_input(t.rank, count, dtype)
-    try:
-        call = _call(t, v, x, dtype, op, baseline)
-        for _ in range(warmup):
-            call()
-    except UnsupportedError as exc:          # raised alike on every rank
-        row.note = f"unsupported: {exc}"
+class _Inputs:
+    """One size's inputs and references, shared by its variants (built when first asked):
+    this rank's exact / Gaussian input, every rank's Gaussian input (for the replay), the
+    exact dense result and the float64 Gaussian sum."""
+
+    def __init__(self, p: int, count: int, dtype: str, op: str) -> None:
+        self.p, self.count, self.dtype, self.op = p, count, dtype, op
+        self._cache: dict[str, Any] = {}
+
+    def _get(self, key: str, make: Callable[[], Any]) -> Any:
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
+    def exact_input(self, rank: int) -> np.ndarray:
+        return self._get(f"x{rank}", lambda: data.exact_input(rank, self.count, self.dtype,
+                                                              self.op))
+
+    def exact_result(self) -> np.ndarray:
+        return self._get("exact", lambda: data.exact_result(self.p, self.count, self.dtype,
+                                                            self.op))
+
+    def gaussian_inputs(self) -> list[np.ndarray]:
+        return self._get("g", lambda: [data.gaussian_input(r, self.count, self.dtype)
+                                       for r in range(self.p)])
+
+    def gaussian_result(self) -> np.ndarray:
+        return self._get("gsum", lambda: data.gaussian_result(self.p, self.count,
+                                                              self.dtype, self.op))
+
+
+class _Run:
+    """One variant at one size on this rank: its call, its checker, its timings."""
+
+    def __init__(self, t: Transport, plan: Plan, v: Variant, count: int,
+                 baseline: Baseline | None, inputs: _Inputs) -> None:
+        self.t, self.plan, self.v, self.inputs = t, plan, v, inputs
+        self.dtype, self.op = plan.dtype, plan.op
+        size = count * storage(self.dtype).itemsize
+        self.iters, self.warmup = iterations(size, plan)
+        self.row = Row(size, count, self.dtype, self.op, v.algorithm, v.compressor,
+                       None if v.baseline else v.check, v.label, self.iters, self.warmup,
+                       error_feedback=v.error_feedback)
+        self.exact = v.compressor in LOSSLESS
+        self.times: list[float] = []
+        self.round_of: list[int] = []
+        self.wire = self.msgs = self.wrong = 0
+        self.result: np.ndarray | None = None
+        self.ar: Any = None
+        self.stores: list[Any] = []
+        x = inputs.exact_input(t.rank) if self.exact else inputs.gaussian_inputs()[t.rank]
+        try:
+            self.call = self._make_call(x, baseline)
+            if not self.exact:
+                self.wrong += self._codec_contract(x)
+            for _ in range(self.warmup):
+                self._checked(self.call, count_it=False)
+        except UnsupportedError as exc:          # raised alike on every rank
+            self.row.note = f"unsupported: {exc}"
+
+    # -- the measured call -----------------------------------------------------------------
+    def _make_call(self, x: np.ndarray, baseline: Baseline | None) -> Callable[[], Any]:
+        t, v = self.t, self.v
+        if v.baseline:
+            if baseline is None or baseline.name != v.algorithm:
+                raise UnsupportedError(f"no {v.algorithm} baseline on the {t.name} transport")
+            return baseline.prepare(x, self.dtype, self.op)
+        import gradcomm
+
+        arr = _user_array(x, self.dtype)
+        options = dict(v.options)
+        alg, comp, check, op = v.algorithm, v.compressor, v.check, self.op
+        if v.error_feedback:
+            from ..error_feedback import ErrorFeedback
+
+            self.ar = ar = gradcomm.Allreduce(t, op=op, algorithm=alg, compressor=comp,
+                                              error_feedback=True, check=check, **options)
+            # the replay's residual stores, one per rank, updated as each rank's is
+            self.stores = [ErrorFeedback() for _ in range(t.size)]
+            return lambda: ar(arr, key=KEY)
+        return lambda: gradcomm.allreduce(arr, t, op=op, algorithm=alg, compressor=comp,
+                                          check=check, **options)
+
+    def _codec_contract(self, x: np.ndarray) -> int:
+        """All ``n`` elements when this rank's codec round trip does not shrink its input
+        (for codecs error feedback treats as contractions), else 0."""
+        from .. import compressors
+        from ..error_feedback import contractive
+
+        codec = compressors.get(self.v.compressor, **dict(self.v.options))
+        if not codec.lossy or not contractive(codec) or self.dtype not in (
+                "float32", "float64"):
+            return 0
+        y = np.array(x, copy=True)
+        dec = np.asarray(codec.decompress(codec.compress(y.copy(), seed=(0, 0, 0, self.t.rank)),
+                                          out=np.empty(y.size, y.dtype)), y.dtype)
+        norm = float(np.linalg.norm(y.astype(np.float64)))
+        err = float(np.linalg.norm(y.astype(np.float64) - dec.astype(np.float64)))
+        return int(y.size) if norm > 0 and not err < norm else 0
+
+    def _checked(self, call: Callable[[], Any], count_it: bool = True,
+                 timed: Callable[[Callable[[], Any]], Any] | None = None) -> None:
+        """One call (through ``timed`` if given), then its check (never timed)."""
+        expected = None
+        if not self.exact and not self.v.error_feedback:
+            from ..collectives.compressed import _STEPS
+
+            step = _STEPS.get(self.t, 0)          # the step this call will take
+            expected = lambda: self._replay(step=step)             # noqa: E731
+        elif self.v.error_feedback:
+            expected = lambda: self._replay(residuals=self.stores)  # noqa: E731
+        y = call() if timed is None else timed(call)
+        host = y if isinstance(y, np.ndarray) else _array.host_view(y)
+        host = np.ascontiguousarray(host).reshape(-1)
+        self.result = host
+        if self.exact:
+            ref = self.inputs.exact_result()
+            wrong = data.count_wrong(host, ref)
+        else:
+            ref = expected()  # type: ignore[misc]
+            wrong = _bytes_differ(host, ref)
+        if count_it:
+            self.wrong += wrong
+
+    def _replay(self, **state: Any) -> np.ndarray:
+        from .replay import replay
+
+        v = self.v
+        return replay(self.inputs.gaussian_inputs(), dtype=self.dtype, op=self.op,
+                      algorithm=v.algorithm, compressor=v.compressor, seed=0, key=KEY,
+                      transport=self.t, **state, **dict(v.options))
+
+    def timed(self, k: int, rnd: int) -> None:
+        """``k`` timed calls of round ``rnd``."""
+        if self.row.note:
+            return
+        t, st = self.t, self.t.stats
+
+        def one(call: Callable[[], Any]) -> Any:
+            t.barrier()
+            b, m = st.bytes_sent, st.messages_sent
+            t0 = time.perf_counter()
+            y = call()
+            self.times.append(time.perf_counter() - t0)
+            self.wire += st.bytes_sent - b
+            self.msgs += st.messages_sent - m
+            return y
+
+        try:
+            for _ in range(k):
+                self.round_of.append(rnd)
+                self._checked(self.call, timed=one)
+        except UnsupportedError as exc:          # raised alike on every rank
+            self.row.note = f"unsupported: {exc}"
+
+    # -- rank 0's row ------------------------------------------------------------------------
+    def finish(self, rounds: int) -> Row:
+        row, t = self.row, self.t
+        if row.note:
+            return row
+        iters = len(self.times)
+        p = t.size
+        mine = np.concatenate([self.times, [self.wire / iters, self.msgs / iters,
+                                            self.wrong]])
+        table = _gather(t, mine)
+        if table is None:
+            return row
+        row.iters, row.rounds = iters, rounds
+        m_times = table[:, :iters]
+        per_rank = m_times.mean(axis=1)
+        slowest = m_times.max(axis=0)
+        mean = float(per_rank.mean())
+        row.avg_us = mean * 1e6
+        row.min_us = float(per_rank.min()) * 1e6
+        row.max_us = float(per_rank.max()) * 1e6
+        row.p50_us = float(np.median(slowest)) * 1e6
+        row.p95_us = float(np.percentile(slowest, 95)) * 1e6
+        if mean > 0:
+            row.algbw_gbs, row.busbw_gbs = bandwidths(row.size, mean, p)
+        which = np.asarray(self.round_of)
+        round_us = [float(m_times[:, which == r].mean()) * 1e6 for r in range(rounds)]
+        row.extra["round_us"] = round_us
+        if mean > 0:
+            row.spread_pct = (max(round_us) - min(round_us)) / row.avg_us * 100
+        if not (self.v.baseline or self.v.algorithm == "native"):   # opaque library traffic
+            row.wire_bytes = float(table[:, iters].mean())
+            row.messages = float(table[:, iters + 1].mean())
+        row.wrong = int(table[:, iters + 2].sum())
+        if not self.exact and self.result is not None:
+            row.rel_err = data.relative_error(self.result, self.inputs.gaussian_result(),
+                                              self.dtype)
         return row
 
-    st = t.stats
-    times = np.empty(iters)
-    wire = msgs = 0
-    y = None
-    for i in range(iters):
-        t.barrier()
-        b, m = st.bytes_sent, st.messages_sent
-        t0 = time.perf_counter()
-        y = call()
-        times[i] = time.perf_counter() - t0
-        wire += st.bytes_sent - b
-        msgs += st.messages_sent - m
-    assert y is not None
-    result = y
-    if exact:
-        if "exact" not in expected:
-            expected["exact"] = data.exact_result(p, count, dtype, op)
-        wrong = data.count_wrong(result, expected["exact"])
-    else:
-        wrong = _differs_from_root(t, result)
 
-    mine = np.concatenate([times, [wire / iters, msgs / iters, wrong]])
-    table = _gather(t, mine)
-    if table is None:
-        return row
-    m_times = table[:, :iters]
-    per_rank = m_times.mean(axis=1)
-    slowest = m_times.max(axis=0)
-    p50 = float(np.median(slowest))
-    row.avg_us = float(per_rank.mean()) * 1e6
-    row.min_us = float(per_rank.min()) * 1e6
-    row.max_us = float(per_rank.max()) * 1e6
-    row.p50_us = p50 * 1e6
-    row.p95_us = float(np.percentile(slowest, 95)) * 1e6
-    row.algbw_gbs = size / p50 / 1e9 if p50 > 0 else None
-    row.busbw_gbs = None if row.algbw_gbs is None else row.algbw_gbs * 2 * (p - 1) / p
-    if not (v.baseline or v.algorithm == "native"):   # opaque library traffic
-        row.wire_bytes = float(table[:, iters].mean())
-        row.messages = float(table[:, iters + 1].mean())
-    row.wrong = int(table[:, iters + 2].sum())
-    if not exact:
-        if "gaussian" not in expected:
-            expected["gaussian"] = data.gaussian_result(p, count, dtype, op)
-        row.rel_err = data.relative_error(result, expected["gaussian"], dtype)
-    return row
-
-
-def _call(t: Transport, v: Variant, x: np.ndarray, dtype: str, op: str,
-          baseline: Baseline | None) -> Callable[[], np.ndarray]:
-    """A no-argument call that runs one allreduce and returns its result (storage form)."""
-    if v.baseline:
-        if baseline is None or baseline.name != v.algorithm:
-            raise UnsupportedError(f"no {v.algorithm} baseline on the {t.name} transport")
-        return baseline.prepare(x, dtype, op)
-    import gradcomm
-
-    arr = _user_array(x, dtype)
-    options = dict(v.options)
-    alg, comp, check = v.algorithm, v.compressor, v.check
-
-    def call() -> np.ndarray:
-        y = gradcomm.allreduce(arr, t, op=op, algorithm=alg, compressor=comp, check=check,
-                               **options)
-        return y if isinstance(y, np.ndarray) else _array.host_view(y)
-
-    return call
+def _bytes_differ(got: np.ndarray, ref: np.ndarray) -> int:
+    """Elements whose bytes differ (a size mismatch: every element of the longer)."""
+    got = np.ascontiguousarray(got).reshape(-1)
+    ref = np.ascontiguousarray(ref).reshape(-1)
+    if got.size != ref.size or got.dtype.itemsize != ref.dtype.itemsize:
+        return max(got.size, ref.size)
+    if not got.size:
+        return 0
+    a = got.view(np.uint8).reshape(got.size, -1)
+    b = ref.view(np.uint8).reshape(ref.size, -1)
+    return int(np.count_nonzero((a != b).any(axis=1)))
 
 
 def _user_array(x: np.ndarray, dtype: str) -> Any:
@@ -321,18 +506,15 @@ def _gather(t: Transport, vec: np.ndarray) -> np.ndarray | None:
     return table
 
 
-def _differs_from_root(t: Transport, result: np.ndarray) -> int:
-    """Elements where this rank's bytes differ from rank 0's (0 on rank 0)."""
-    flat = np.ascontiguousarray(result).reshape(-1).view(np.uint8)
+def agree_status(t: Transport, code: int) -> int:
+    """Rank 0's ``code`` on every rank (collective), so every rank exits alike."""
+    buf = np.array([code], np.int64)
     if t.rank == 0:
         for r in range(1, t.size):
-            t.send(flat, r, TAG_BENCH)
-        return 0
-    root = np.empty_like(flat)
-    t.recv(root, 0, TAG_BENCH)
-    item = result.dtype.itemsize
-    diff = (root != flat).reshape(-1, item).any(axis=1) if flat.size else flat
-    return int(np.count_nonzero(diff))
+            t.send(buf, r, TAG_BENCH + 1)
+        return code
+    t.recv(buf, 0, TAG_BENCH + 1)
+    return int(buf[0])
 
 
 def _human(n: int) -> str:

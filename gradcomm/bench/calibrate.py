@@ -244,4 +244,29 @@ def describe(prof: Profile) -> list[str]:
         lines.append("# codecs (ns/B encode/decode): " + ", ".join(
             f"{k} {v['encode'] * 1e9:.2f}/{v['decode'] * 1e9:.2f}"
             for k, v in prof.codecs.items()))
+    lines.append(route_defaults_line(prof))
     return lines
+
+
+def route_defaults_line(prof: Profile | None) -> str:
+    """Which constants of the compressed route model (``auto``'s route choice) this
+    profile does not measure: they stay the hand-set defaults of
+    :mod:`gradcomm.collectives.compressed`, printed as such.
+
+    Example:
+        >>> route_defaults_line(None).startswith("# compressed routes use defaults")
+        True
+    """
+    from ..collectives import compressed as c
+
+    measured = {k.split(":")[0] for k in (prof.codecs if prof is not None else {})}
+    default_codecs = [k for k in c.CODEC_COST if k not in measured]
+    parts = [f"WIRE_ALPHA {c.WIRE_ALPHA * 1e6:.0f} us/message"]
+    if prof is None:
+        parts += [f"ALPHA {c.ALPHA * 1e6:.0f} us", f"BETA {c.BETA * 1e9:.2f} ns/B"]
+    if prof is None or not prof.copy:
+        parts.append(f"COPY_S {c.COPY_S * 1e9:.2f} ns/B")
+    if default_codecs:
+        parts.append("CODEC_COST (copies/element encode/decode) " + ", ".join(
+            f"{k} {c.CODEC_COST[k][0]}/{c.CODEC_COST[k][1]}" for k in default_codecs))
+    return "# compressed routes use defaults (hand-set, not measured): " + "; ".join(parts)

@@ -64,8 +64,9 @@ allgather send the same bytes and the ring decodes 0.5·n less, but for top-k th
 route decodes nothing but the kept pairs; at p = 4 allgather sends (p−1)·c = 2× the
 ring's bytes, so int8 re-compresses per hop there. α, β and the copy speed come from the
 agreed calibrated profile (``python -m gradcomm.bench --calibrate``) if there is one,
-else :data:`ALPHA`, :data:`BETA`, :data:`COPY_S`; e and g are :data:`CODEC_COST` (in
-copies of one element; a profile's measured codec speeds replace them). Per-hop
+else the defaults :data:`ALPHA`, :data:`BETA`, :data:`COPY_S` (hand-set, not measured);
+e and g are the default :data:`CODEC_COST` (in copies of one element; a profile's measured
+codec speeds replace them); :data:`WIRE_ALPHA` is a default either way. Per-hop
 re-compression adds error (measured above); allgather aggregates exactly what each rank
 compressed.
 
@@ -631,21 +632,28 @@ class CompressedWire:
 
 
 # -- routes -------------------------------------------------------------------------------
-#: (encode, decode) cost per element, in float32 element copies, of each codec's kernels
-#: (``python -m gradcomm.bench --codecs`` at 16 Mi float32, numba path)
+# Route-model **defaults**: hand-set constants, not measurements of this machine. They
+# steer ``algorithm="auto"``'s route choice wherever no calibrated profile says otherwise
+# (a profile's α, β, copy speed and codec speeds replace ALPHA, BETA, COPY_S and
+# CODEC_COST; WIRE_ALPHA is always this default). ``python -m gradcomm.bench --calibrate``
+# prints which of them its profile replaces and which stay defaults.
+#: default (encode, decode) cost per element, in float32 element copies, of each codec's
+#: kernels (rough figures once read off ``python -m gradcomm.bench --codecs`` at 16 Mi
+#: float32, numba path, on the development VM; not re-measured per machine)
 CODEC_COST: dict[str, tuple[float, float]] = {
     "none": (0.5, 0.5), "fp16": (0.6, 0.6), "bf16": (0.6, 0.6), "int8": (2.4, 1.3),
     "qsgd": (1.7, 0.75), "terngrad": (1.5, 0.8), "onebit": (1.2, 0.65),
     "topk": (2.6, 0.75), "randomk": (2.1, 2.1)}
-#: an unknown codec's cost (copies per element)
+#: default cost of a codec with no entry above (copies per element)
 DEFAULT_COST = (2.0, 1.0)
-#: seconds per compressed message without a profile (transport, framing, parsing)
+#: default seconds per compressed message without a profile (transport, framing, parsing)
 ALPHA = 60e-6
-#: what a compressed message costs beyond a profile's α (framing, parsing, Python)
+#: default cost of a compressed message beyond a profile's α (framing, parsing, Python);
+#: not calibrated: added to the profile's α
 WIRE_ALPHA = 40e-6
-#: seconds per byte sent without a profile (between shared memory and 10 Gbit/s)
+#: default seconds per byte sent without a profile (between shared memory and 10 Gbit/s)
 BETA = 0.5e-9
-#: seconds per byte of a memory copy without a profile
+#: default seconds per byte of a memory copy without a profile
 COPY_S = 0.1e-9
 
 

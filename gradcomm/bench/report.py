@@ -268,6 +268,10 @@ def _auto_hits(by_size: dict[int, list[Row]], choice: dict[int, str]) -> dict[st
             "within_10pct": sum(d["slowdown"] <= 1.1 for d in detail), "detail": detail}
 
 
+def _gbs(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
 def _range(g: dict[str, Any]) -> str:
     r = g.get("rounds")
     return f" [rounds {r['min']:.2f}-{r['max']:.2f}]" if r else ""
@@ -278,8 +282,8 @@ def summary_line(s: dict[str, Any]) -> str:
     parts = []
     if "largest" in s:
         g = s["largest"]
-        parts.append(f"{_size(g['size'])}: {g['variant']} busbw {g['busbw']:.2f} GB/s = "
-                     f"{g['ratio']:.2f}x {s['reference']} ({g['reference_busbw']:.2f})"
+        parts.append(f"{_size(g['size'])}: {g['variant']} busbw {_gbs(g['busbw'])} GB/s = "
+                     f"{g['ratio']:.2f}x {s['reference']} ({_gbs(g['reference_busbw'])})"
                      f"{_range(g)}")
     if "busbw_16_64MiB" in s:
         g = s["busbw_16_64MiB"]

@@ -18,7 +18,8 @@ import pytest
 
 from gradcomm.bench import cli, launch, report
 from gradcomm.bench.cli import main
-from gradcomm.bench.sweep import LARGE, Plan, Row, Variant, iterations, sweep
+from gradcomm.bench import sweep as sweep_module
+from gradcomm.bench.sweep import LARGE, Plan, Row, Variant, iterations, round_sizes, sweep
 from gradcomm.collectives import DENSE
 from gradcomm.comm import run_ranks
 from gradcomm.errors import ConfigError
@@ -27,7 +28,8 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--sizes", "4,4K,96K", "--iters", "2", "--warmup", "1", "--no-progress"]
 ROW_KEYS = {"size", "count", "dtype", "op", "algorithm", "compressor", "check", "label",
             "iters", "warmup", "avg_us", "min_us", "max_us", "p50_us", "p95_us", "algbw_gbs",
-            "busbw_gbs", "wire_bytes", "messages", "rel_err", "wrong", "note", "extra"}
+            "busbw_gbs", "wire_bytes", "messages", "rel_err", "wrong", "note", "extra",
+            "rounds", "spread_pct", "error_feedback"}
 ENV_KEYS = {"ranks", "transport", "launcher", "hostname", "date", "versions", "cpus",
             "loadavg_start", "loadavg_end"}
 
@@ -64,9 +66,11 @@ def _check_doc(doc: dict, ranks: int, transport: str, n_sizes: int) -> list[dict
         assert r["note"] == "", r
         assert r["wrong"] == 0, r
         assert r["count"] * 4 == r["size"]
-        assert r["min_us"] <= r["avg_us"] <= r["max_us"]
         assert 0 < r["p50_us"] <= r["p95_us"]
-        assert r["busbw_gbs"] == pytest.approx(r["algbw_gbs"] * 2 * (ranks - 1) / ranks)
+        # the mean is the mean of the rounds' means, weighted by their calls
+        per = round_sizes(r["iters"], r["rounds"])
+        assert r["avg_us"] == pytest.approx(
+            sum(k * u for k, u in zip(per, r["extra"]["round_us"])) / sum(per), rel=1e-9)
     return rows
 
 
@@ -79,7 +83,7 @@ def test_threads_sweep_rows_json_and_summary(tmp_path, capsys):
     doc = json.loads(out.read_text())
     rows = _check_doc(doc, 3, "threads", 3)
     algos = [a for a in DENSE if a in cli.available_algorithms()]
-    assert {r["algorithm"] for r in rows} == set(algos)
+    assert {r["algorithm"] for r in rows} == {*algos, "auto"}     # auto: the summary's row
     assert {r["check"] for r in rows if r["algorithm"] != "native"} == {True, False}
     for r in rows:
         if r["algorithm"] != "native":
@@ -118,7 +122,7 @@ def test_bare_command_starts_its_own_mpi_ranks(tmp_path):
     assert doc["environment"]["transport"] == "mpi" and doc["environment"]["ranks"] == 2
     assert " -n 2 " in doc["environment"]["launch_command"]
     assert [r["algorithm"] for r in doc["rows"]] == ["MPI_Allreduce", "recursive_doubling",
-                                                      "native"]
+                                                      "native", "auto"]
     assert all(r["wrong"] == 0 and r["dtype"] == "int32" for r in doc["rows"])
     assert "\r[" not in p.stderr                             # no progress when piped
 
@@ -150,8 +154,9 @@ def _wrong_baseline_rows(p: int) -> list[Row]:
 @pytest.mark.timeout(30)
 def test_wrong_results_are_counted_on_every_rank():
     broken, good = _wrong_baseline_rows(2)
-    assert broken.wrong == 2 * 1024 - np.count_nonzero(   # elements where input == sum
-        _same_as_sum(2, 1024)) and good.wrong == 0
+    # both timed calls of both ranks, less the elements where an input equals the sum
+    assert broken.wrong == 2 * (2 * 1024 - np.count_nonzero(_same_as_sum(2, 1024)))
+    assert good.wrong == 0
 
 
 def _same_as_sum(p: int, n: int) -> np.ndarray:
@@ -220,24 +225,154 @@ def test_launch_detection_and_mpiexec_command():
         assert env["OMPI_ALLOW_RUN_AS_ROOT"] == "1"
 
 
-def test_summary_ratios():
-    def row(alg, size, p50, check=True):
-        bw = size / (p50 * 1e-6) / 1e9
-        return Row(size, size // 4, "float32", "sum", alg, None, check, alg, 1, 0, p50, p50,
-                   p50, p50, p50, bw, bw, None, None, None, 0)
+def _row(alg, size, rounds_us, check=True, label=None):
+    """A row as the sweep leaves it: times per round, mean = their mean."""
+    mean = sum(rounds_us) / len(rounds_us)
+    algbw, busbw = sweep_module.bandwidths(size, mean * 1e-6, 2)
+    return Row(size, size // 4, "float32", "sum", alg, None, check, label or alg, 2, 0, mean,
+               mean, mean, mean, mean, algbw, busbw, None, None, None, 0,
+               extra={"round_us": list(rounds_us)}, rounds=len(rounds_us))
 
-    rows = [row("MPI_Allreduce", 4096, 2.0, None), row("ring", 4096, 5.0),
-            row("recursive_doubling", 4096, 3.0), row("recursive_doubling", 4096, 1.0, False),
-            row("MPI_Allreduce", 16 << 20, 100.0, None), row("ring", 16 << 20, 50.0),
-            row("MPI_Allreduce", 64 << 20, 400.0, None), row("ring", 64 << 20, 250.0)]
+
+def test_summary_reports_the_named_variant_with_its_round_spread():
+    rows = [_row("MPI_Allreduce", 4096, [2.0, 2.0], None), _row("auto", 4096, [3.0, 5.0]),
+            _row("recursive_doubling", 4096, [1.0, 1.0]),       # faster, but not named
+            _row("MPI_Allreduce", 16 << 20, [100.0, 120.0], None),
+            _row("auto", 16 << 20, [50.0, 80.0]), _row("ring", 16 << 20, [10.0, 10.0]),
+            _row("MPI_Allreduce", 64 << 20, [400.0, 400.0], None),
+            _row("auto", 64 << 20, [200.0, 300.0])]
     s = report.summarize(rows, "MPI_Allreduce")
-    assert s["latency"]["best"] == "recursive_doubling"        # unchecked rows excluded
-    assert s["latency"]["ratio"] == pytest.approx(1.5) and s["latency"]["met"]
-    assert s["largest"]["ratio"] == pytest.approx(1.6)
+    assert s["variant"] == "auto" and s["reference"] == "MPI_Allreduce"
+    # latency: mean 4.0 us against 2.0 us; rounds 3/2 and 5/2
+    assert s["latency"]["ratio"] == pytest.approx(2.0) and s["latency"]["met"]
+    assert s["latency"]["rounds"] == {"min": 1.5, "median": 2.0, "max": 2.5}
+    # 16 MiB: 110 / 65 = 1.69; 64 MiB: 400 / 250 = 1.6, rounds 400/200 and 400/300
     assert s["busbw_16_64MiB"]["min_ratio"] == pytest.approx(1.6)
-    assert s["busbw_16_64MiB"]["met"]
+    assert s["busbw_16_64MiB"]["at_size"] == 64 << 20 and s["busbw_16_64MiB"]["met"]
+    assert s["largest"]["ratio"] == pytest.approx(1.6)
+    assert s["largest"]["rounds"]["min"] == pytest.approx(4 / 3)
+    assert s["largest"]["rounds"]["max"] == pytest.approx(2.0)
     line = report.summary_line(s)
-    assert "1.60x MPI_Allreduce" in line and "1.50x" in line
+    assert "auto busbw" in line and "1.60x MPI_Allreduce" in line and "[rounds 1.33-2.00]" in line
+    # another named variant; a wrong element anywhere: no target is met
+    s = report.summarize(rows, "MPI_Allreduce", variant="ring")
+    assert s["busbw_16_64MiB"]["min_ratio"] == pytest.approx(11.0) and "latency" not in s
+    rows[2].wrong = 1
+    s = report.summarize(rows, "MPI_Allreduce")
+    assert s["wrong"] == 1 and not s["busbw_16_64MiB"]["met"] and not s["latency"]["met"]
+
+
+def test_columns_from_known_timings(monkeypatch):
+    """Timings fed through a fake clock (rank r's call i takes (r + 1) * (i + 1) ms) give
+    the columns computed by hand: OSU's avg/min/max, nccl-tests' algbw = bytes / mean time
+    and busbw = algbw * 2(p-1)/p, p50/p95 of the slowest rank, the rounds' means."""
+    import threading
+
+    calls = threading.local()
+
+    class Clock:
+        @staticmethod
+        def perf_counter():
+            k = getattr(calls, "k", 0)
+            calls.k = k + 1
+            rank = int(threading.current_thread().name.removeprefix("gradcomm-rank"))
+            i = k // 2                                      # (start, end) per call
+            return 0.0 if k % 2 == 0 else (rank + 1) * (i + 1) * 1e-3
+
+    monkeypatch.setattr(sweep_module, "time", Clock)
+    p, size = 3, 4096
+    plan = Plan(sizes=[size], variants=[Variant("ring")], iters=4, warmup=0, rounds=2)
+    (row,) = run_ranks(p, lambda t: sweep(t, plan))[0]
+    # rank r: calls of (r+1)*[1, 2, 3, 4] ms -> its mean 2.5*(r+1) ms; over ranks 5 ms
+    assert (row.iters, row.rounds, row.count) == (4, 2, 1024)
+    assert row.avg_us == pytest.approx(5000.0)
+    assert (row.min_us, row.max_us) == (pytest.approx(2500.0), pytest.approx(7500.0))
+    # slowest rank (rank 2) per call: 3, 6, 9, 12 ms -> median 7.5, p95 11.55 ms
+    assert row.p50_us == pytest.approx(7500.0) and row.p95_us == pytest.approx(11550.0)
+    assert row.algbw_gbs == pytest.approx(4096 / 5e-3 / 1e9)
+    assert row.busbw_gbs == pytest.approx(4096 / 5e-3 / 1e9 * 4 / 3)
+    # rounds: calls 1-2 and 3-4: means over ranks 1.5*2 = 3 ms and 3.5*2 = 7 ms
+    assert row.extra["round_us"] == [pytest.approx(3000.0), pytest.approx(7000.0)]
+    assert row.spread_pct == pytest.approx(80.0)
+    assert row.wrong == 0
+
+
+@pytest.mark.timeout(60)
+def test_wire_bytes_are_the_codecs_payload():
+    """onebit through allgather at p = 2 without the check: each rank sends its payload
+    once (the codec's own nbytes) plus a frame header."""
+    from gradcomm import compressors
+    from gradcomm.bench.data import gaussian_input
+
+    n = 4096
+    payload = compressors.get("onebit").compress(gaussian_input(0, n, "float32")).nbytes
+    plan = Plan(sizes=[4 * n], variants=[Variant("allgather", "onebit", check=False)],
+                iters=3, warmup=1, rounds=1)
+    (row,) = run_ranks(2, lambda t: sweep(t, plan))[0]
+    assert row.wrong == 0 and row.note == ""
+    assert payload <= row.wire_bytes <= payload + 64, (payload, row.wire_bytes)
+    assert payload < 4 * n / 16                              # ~1 bit per element
+
+
+def _plant(monkeypatch, fault):
+    """Faults the bench must catch, planted in-process (the threads transport)."""
+    if fault == "decode_zeros":                     # a codec whose decoder returns zeros
+        from gradcomm.compressors.onebit import OneBitCompressor
+
+        real = OneBitCompressor.decompress
+
+        def zeros(self, payload, out=None, add=False):
+            res = real(self, payload, out=None)
+            res[...] = 0
+            if add:
+                return out
+            if out is not None:
+                out[...] = res
+                return out
+            return res
+        monkeypatch.setattr(OneBitCompressor, "decompress", zeros)
+    elif fault == "ring_segment":                   # a ring that misplaces a segment
+        from gradcomm import collectives
+
+        real = collectives.algorithm("ring")
+
+        def ring(t, buf, red, **kw):
+            real(t, buf, red, **kw)
+            if buf.size >= 61:
+                buf[20:40] = buf[41:61]
+        monkeypatch.setitem(collectives._FUNCS, "ring", ring)
+    elif fault == "hop_residual":                   # error feedback forgets its residual
+        import numpy as np_
+
+        from gradcomm.collectives.compressed import CompressedWire
+
+        monkeypatch.setattr(CompressedWire, "_hop_residual",
+                            lambda self, name, off, n, dtype: np_.zeros(n, np_.float32))
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("fault", ["none", "decode_zeros", "ring_segment", "hop_residual"])
+def test_planted_faults_are_wrong_and_exit_nonzero(fault, monkeypatch, tmp_path, capsys):
+    _plant(monkeypatch, fault)
+    out = tmp_path / "f.json"
+    code = main(["--transport", "threads", "--np", "2", "--sizes", "4K", "--iters", "3",
+                 "--warmup", "1", "--rounds", "2", "--algorithms", "ring",
+                 "--compressors", "none,onebit", "--no-progress", "--json", str(out)])
+    doc = json.loads(out.read_text())
+    wrong = {r["label"]: r["wrong"] for r in doc["rows"]}
+    text = capsys.readouterr().out
+    if fault == "none":
+        assert code == 0 and doc["summary"]["wrong"] == 0 and "#wrong 0" in text
+        return
+    assert code == 1 and doc["summary"]["wrong"] == sum(wrong.values()) > 0
+    culprits = {"decode_zeros": {"ring+onebit", "ring+onebit+ef"},
+                "ring_segment": {"ring", "ring+onebit", "ring+onebit+ef"},
+                "hop_residual": {"ring+onebit+ef"}}[fault]
+    flagged = {k for k, v in wrong.items() if v}
+    assert culprits <= flagged <= culprits | {"auto+onebit", "auto+onebit+ef"}, wrong
+    assert wrong["auto"] == 0             # dense auto at 4 KiB: recursive doubling, sound
+    if fault == "decode_zeros":        # the round trip check: all n elements on both ranks
+        assert wrong["ring+onebit"] >= 2 * 1024
 
 
 @pytest.mark.timeout(60)
@@ -276,8 +411,10 @@ def test_compressed_rows_report_error_and_identical_bytes(tmp_path):
     for r in rows:
         assert r["wrong"] == 0
         assert (r["rel_err"] is None) == (r["compressor"] is None)
-        if r["compressor"] is not None:
+        if r["compressor"] is not None and not r["error_feedback"]:
             assert r["rel_err"] < 1 and r["extra"]["compression_ratio"] > 1
+    assert {r["label"] for r in rows if r["error_feedback"]} == {
+        f"{a}+{c}+ef" for a in ("ring", "auto") for c in lossy}
 
 
 @pytest.mark.timeout(90)
@@ -292,7 +429,7 @@ def test_bare_torch_transport_starts_gloo_processes(tmp_path):
     assert p.returncode == 0, p.stderr
     doc = json.loads(out.read_text())
     rows = _check_doc(doc, 2, "torch", 1)
-    assert [r["algorithm"] for r in rows] == ["dist.all_reduce", "ring", "native"]
+    assert [r["algorithm"] for r in rows] == ["dist.all_reduce", "ring", "native", "auto"]
     assert p.stdout.count("# summary:") == 1
 
 

@@ -463,37 +463,58 @@ class _RefRank:
         return [h for h in self.store._residuals if h.startswith(unit + "#")]
 
 
-def _reference_unit(t, st: _RefRank, g: np.ndarray, keys: list[str], lengths: list[int],
-                    codec: str, algo: str, step: int) -> np.ndarray:
-    """What the hook must return for one unit on rank ``t.rank``: g * fl(1/p) plus the
-    parameters' residuals, reduced by ``compressed_allreduce`` under the unit's key."""
+def _reference_unit(ranks: list[_RefRank], gs: list[np.ndarray], keys: list[str],
+                    lengths: list[int], codec: str, algo: str, step: int) -> np.ndarray:
+    """What the hook must return for one unit (every rank's bucket slice ``gs``): each
+    rank's g * fl(1/p) plus its parameters' residuals, reduced under the unit's key by
+    ``compressed_allreduce`` on in-process ranks (the reference; it records the hop
+    offsets the fold needs) and by ``gradcomm.bench.replay`` (no collective code), which
+    must agree bitwise, residuals included. Raises AssertionError if they do not."""
+    import copy
+
+    from gradcomm.bench.replay import replay
     from gradcomm.collectives.compressed import HOP_ALGORITHMS, compressed_allreduce
 
-    unit = unit_key(keys)
-    st.units[unit] = (list(keys), list(lengths))
-    st.used.add(unit)
-    st.store.now = step
-    x = g * np.float32(1.0 / t.size)
+    p, unit = len(ranks), unit_key(keys)
     starts = np.concatenate([[0], np.cumsum(lengths)]).astype(int)
     per_hop = algo in HOP_ALGORITHMS
-    if st.store.enabled:
-        if per_hop:           # the hop residuals carry the error; folded mass is added here
+    xs = []
+    for st, g in zip(ranks, gs):
+        st.units[unit] = (list(keys), list(lengths))
+        st.used.add(unit)
+        st.store.now = step
+        x = g * np.float32(1.0 / p)
+        if st.store.enabled:
+            if per_hop:       # the hop residuals carry the error; folded mass is added here
+                for name, a, b in zip(keys, starts[:-1], starts[1:]):
+                    if name in st.params:
+                        x[a:b] += st.params[name]
+                        st.params[name][:] = 0
+            else:             # the unit's residual is its parameters' residuals, in order
+                e = st.store.residual(unit, int(starts[-1]), np.float32)
+                for name, a, b in zip(keys, starts[:-1], starts[1:]):
+                    e[a:b] = st.param(name, b - a)
+        xs.append(x)
+    stores = [copy.deepcopy(st.store) for st in ranks]
+    opts = OPTIONS.get(codec, {})
+    outs = gradcomm.comm.run_ranks(p, lambda t: np.array(compressed_allreduce(
+        t, xs[t.rank].copy(), "float32", op="sum", algorithm=algo, compressor=codec, seed=0,
+        residuals=ranks[t.rank].store, key=unit, **opts), copy=True), timeout=60)
+    again = replay([x.copy() for x in xs], dtype="float32", op="sum", algorithm=algo,
+                   compressor=codec, seed=0, step=step, key=unit, residuals=stores, **opts)
+    for r, (st, other) in enumerate(zip(ranks, stores)):
+        if outs[r].tobytes() != again.tobytes():
+            raise AssertionError(f"compressed_allreduce rank {r} != replay for {codec}/"
+                                 f"{algo} step {step}")
+        mine = {k: v.tobytes() for k, v in st.store._residuals.items()}
+        if mine != {k: v.tobytes() for k, v in other._residuals.items()}:
+            raise AssertionError(f"compressed_allreduce rank {r}'s residuals != replay's "
+                                 f"for {codec}/{algo} step {step}")
+        if st.store.enabled and not per_hop:
+            e = st.store._residuals.pop(unit)
             for name, a, b in zip(keys, starts[:-1], starts[1:]):
-                if name in st.params:
-                    x[a:b] += st.params[name]
-                    st.params[name][:] = 0
-        else:                 # the unit's residual is its parameters' residuals, in order
-            e = st.store.residual(unit, int(starts[-1]), np.float32)
-            for name, a, b in zip(keys, starts[:-1], starts[1:]):
-                e[a:b] = st.param(name, b - a)
-    out = compressed_allreduce(t, x, "float32", op="sum", algorithm=algo,
-                               compressor=codec, seed=0, residuals=st.store, key=unit,
-                               **OPTIONS.get(codec, {}))
-    if st.store.enabled and not per_hop:
-        e = st.store._residuals.pop(unit)
-        for name, a, b in zip(keys, starts[:-1], starts[1:]):
-            st.params[name] = e[a:b].copy()
-    return np.array(out, copy=True)
+                st.params[name] = e[a:b].copy()
+    return outs[0]
 
 
 def _reference_fold(ranks: list[_RefRank]) -> int:
@@ -549,8 +570,9 @@ def _recording(names: dict[int, str], calls: list):  # noqa: ANN202 - DDP checks
 
 def _exact_case(codec: str, algo: str, ef: bool, steps: int) -> str:
     """Train ``steps`` iterations through the recording hook (bucket_cap_mb changes half
-    way: new units, folded hop residuals), gather every rank's bucket inputs, reduce them
-    with the reference, compare outputs and final residuals bitwise."""
+    way: new units, folded hop residuals), gather every rank's bucket inputs (over gloo,
+    after the backward pass), reduce them with the references, compare outputs every
+    step and the final residuals bitwise."""
     p, me = dist.get_world_size(), dist.get_rank()
     module = make_model()
     names = {id(q): n for n, q in module.named_parameters()}
@@ -587,19 +609,19 @@ def _exact_case(codec: str, algo: str, ef: bool, steps: int) -> str:
             for k, n in layout:
                 per_rank[r].append(every[r][at:at + sum(n)].numpy().copy())
                 at += sum(n)
-
-        def run(t, step=step, per_rank=per_rank, layout=layout):
-            return np.concatenate([
-                _reference_unit(t, ranks[t.rank], g, k, n, codec, algo, step)
-                for g, (k, n) in zip(per_rank[t.rank], layout)])
-
-        want = gradcomm.comm.run_ranks(p, run, timeout=60)
+        try:
+            want = np.concatenate([
+                _reference_unit(ranks, [per_rank[r][u] for r in range(p)], k, n, codec,
+                                algo, step) for u, (k, n) in enumerate(layout)])
+        except AssertionError as exc:           # the two references disagree
+            fail(f"exact {codec}/{algo} ef={ef}: {exc}")
+            break
         folded += _reference_fold(ranks)
-        if got.numpy().tobytes() != want[me].tobytes():
-            bad = np.flatnonzero(got.numpy().view(np.uint32) != want[me].view(np.uint32))
+        if got.numpy().tobytes() != want.tobytes():
+            bad = np.flatnonzero(got.numpy().view(np.uint32) != want.view(np.uint32))
             fail(f"exact {codec}/{algo} ef={ef} step {step}: {bad.size} of {got.numel()} "
                  f"elements differ from the reference (first {bad[:5].tolist()}: "
-                 f"{got.numpy()[bad[:3]].tolist()} vs {want[me][bad[:3]].tolist()})")
+                 f"{got.numpy()[bad[:3]].tolist()} vs {want[bad[:3]].tolist()})")
             break
     else:
         state.flush()
@@ -620,10 +642,10 @@ def _exact_case(codec: str, algo: str, ef: bool, steps: int) -> str:
 
 def check_exact(steps: int = 4) -> None:
     """The compressed hook's output buckets equal, bitwise, an independent reduction of
-    every rank's bucket inputs (``compressed_allreduce`` on in-process ranks with the
-    hook's keys, seed, steps and per-parameter residual layout), every step, and its
-    residuals equal the reference's at the end; gathered and per-hop routes, with and
-    without error feedback."""
+    every rank's bucket inputs (``compressed_allreduce`` on in-process ranks and
+    ``gradcomm.bench.replay``, which agree, with the hook's keys, seed, steps and
+    per-parameter residual layout), every step, and its residuals equal the reference's
+    at the end; gathered and per-hop routes, with and without error feedback."""
     done = []
     for codec, algo, ef in EXACT:
         if QUICK and codec not in QUICK["codecs"]:

@@ -46,13 +46,16 @@ def test_hook_on_three_gloo_processes_and_between_rank_counts():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("p", [2, 3])
-def test_compressed_hook_equals_an_independent_reduction_of_every_ranks_buckets(p):
+@pytest.mark.parametrize("p, placement", [(2, None), (3, None), (2, "array")])
+def test_compressed_hook_equals_an_independent_reduction_of_every_ranks_buckets(p, placement):
     """Each bucket the compressed hook returns == compressed_allreduce over every rank's
-    recorded bucket inputs (hook's keys, seed, steps, per-parameter residuals, folds),
-    bitwise, every step: a hook returning zeros (its error mass kept in the residuals)
-    passes the telescoping check of 'rebuild' but fails this one."""
-    run = torchrun(CHECKS, p, "exact", timeout=110)
+    recorded bucket inputs (hook's keys, seed, steps, per-parameter residuals, folds;
+    gradcomm.bench.replay agreeing), bitwise, every step: a hook returning zeros (its
+    error mass kept in the residuals) passes the telescoping check of 'rebuild' but fails
+    this one. ``placement="array"``: the hook's device route (torch residuals, device
+    kernels) on CPU tensors."""
+    env = {"GRADCOMM_CODEC_PLACEMENT": placement} if placement else None
+    run = torchrun(CHECKS, p, "exact", timeout=110, env=env)
     info = run.clean_results(p)[0]["info"]
     folded = [int(s.split(": ")[1].split()[0]) for s in info["exact"]]
     assert len(folded) == 12 and max(folded) > 0, info   # the fold path ran too

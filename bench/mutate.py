@@ -180,6 +180,11 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("ddp-forgets-residual", "the DDP hook never adds a parameter's residual back",
            (Patch(_DDP, "                    x[a:a + n] += e\n", "                    pass\n"),),
            ("ddp_exact",)),
+    Mutant("ddp-device-route-unscaled", "the hook's device route (CUDA buckets; CPU ones "
+           "under GRADCOMM_CODEC_PLACEMENT=array) reduces g / (2p), not g / p",
+           (Patch(_DDP, "        work.mul_(1.0 / self.transport.size)",
+                  "        work.mul_(0.5 / self.transport.size)"),),
+           ("ddp_exact",)),
 )
 
 

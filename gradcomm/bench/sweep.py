@@ -380,9 +380,7 @@ class _Run:
         """One call (through ``timed`` if given), then its check (never timed)."""
         expected = None
         if not self.exact and not self.v.error_feedback:
-            from ..collectives.compressed import _STEPS
-
-            step = _STEPS.get(self.t, 0)          # the step this call will take
+            step = _next_plain_step(self.t, self.v.compressor)
             expected = lambda: self._replay(step=step)             # noqa: E731
         elif self.v.error_feedback:
             expected = lambda: self._replay(residuals=self.stores)  # noqa: E731
@@ -467,6 +465,16 @@ class _Run:
             row.rel_err = data.relative_error(self.result, self.inputs.gaussian_result(),
                                               self.dtype)
         return row
+
+
+def _next_plain_step(t: Transport, compressor: str | None) -> int:
+    """The step the next compressed call without a residual store takes on ``t``: the
+    count of earlier such calls there (PowerSGD counts its own)."""
+    if compressor == "powersgd":
+        from ..collectives.powersgd import _STEPS
+    else:
+        from ..collectives.compressed import _STEPS
+    return _STEPS.get(t, 0)
 
 
 def _bytes_differ(got: np.ndarray, ref: np.ndarray) -> int:

@@ -443,3 +443,17 @@ def test_codecs_mode(tmp_path, capsys):
     assert all(r["n"] == 4096 and r["wire_bytes"] < 16384 for r in rows)
     assert "enc GB/s" in capsys.readouterr().out
     assert main(["--codecs", "--dtype", "int8"]) == 2
+
+
+@pytest.mark.timeout(60)
+def test_stochastic_and_stateful_codecs_replay_exactly_at_every_step():
+    """Codecs that draw from the call's step (qsgd, randomk, stochastic int8) or keep state
+    (PowerSGD's warm start, error feedback) agree bitwise with the replay at every call:
+    the bench tracks each call's step and residuals (PowerSGD counts its steps apart)."""
+    vs = [Variant(a, c, options=o, error_feedback=ef)
+          for c, o in (("qsgd", ()), ("randomk", (("ratio", 0.1),)), ("powersgd", ()),
+                       ("int8", (("rounding", "stochastic"),)))
+          for a in ("ring", "auto") for ef in (False, True)]
+    plan = Plan(sizes=[4096], variants=vs, iters=3, warmup=1, rounds=2)
+    rows = run_ranks(3, lambda t: sweep(t, plan))[0]
+    assert [(r.label, r.wrong, r.note) for r in rows] == [(v.label, 0, "") for v in vs]

@@ -635,7 +635,7 @@ def _powersgd(xs: list[np.ndarray], dtype: str, op: str, algorithm: str, codec: 
                 product(pm, qm, lay, dec[o:o + m])
             e = efs[r].residual(key, n, a.dtype)
             e[...] = a - dec
-        r2.append(np.concatenate([q.reshape(-1) for q in q2]))
+        r2.append(np.concatenate([q.reshape(-1) for q in q2]) if q2 else np.empty(0, wdt))
     s2 = rounds(r2)
     out = np.empty(n, wdt)
     at = 0

@@ -407,7 +407,7 @@ def dense_sum(bufs: Sequence[np.ndarray], algorithm: str) -> np.ndarray:
         >>> b = [np.array([1e8, 1.0], np.float32), np.array([-1e8, 1.0], np.float32),
         ...      np.array([1.0, 1e8], np.float32)]
         >>> dense_sum(b, "ring").tolist(), dense_sum(b, "native").tolist()
-        [[1.0, 100000000.0], [1.0, 100000000.0]]
+        ([1.0, 100000000.0], [1.0, 100000000.0])
     """
     p, n = len(bufs), bufs[0].size
     v = [np.array(b, copy=True) for b in bufs]

@@ -124,6 +124,20 @@ def test_replay_large_pipelined_ring(monkeypatch: pytest.MonkeyPatch) -> None:
     _check("int8", "ring", 2, 1_500_000, op="mean", ef=True, steps=2)
 
 
+@pytest.mark.parametrize("name", CODECS)
+def test_codecs_are_not_trivial(name: str) -> None:
+    """The replay shares the codecs with the collective, so it cannot see a codec that
+    decodes to zeros (or to its input's negation): this can. Relative error of one
+    round trip on Gaussian data must be below 1 (zeros give exactly 1; TernGrad's may
+    exceed it), and the decoded values correlate with the input."""
+    x = np.random.default_rng(3).standard_normal(4096).astype(np.float32)
+    codec = compressors.get(name)
+    y = codec.decompress(codec.compress(x, seed=1)).astype(np.float64)
+    err = np.linalg.norm(y - x) / np.linalg.norm(x)
+    assert err < 1 or name == "terngrad", (name, err)     # unbiased, noisier than x
+    assert float(np.dot(y, x)) > 0.005 * float(np.dot(x, x)), name   # randomk keeps 1 %
+
+
 def test_replay_refuses_auto_without_transport() -> None:
     from gradcomm.errors import ConfigError
 

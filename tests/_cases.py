@@ -1,7 +1,9 @@
 """Shared conformance cases: exact inputs, exact expected results, byte comparison.
 
-Inputs are small integers (in every dtype), so sums, maxima, minima and products are
-exact in any order; expected values are computed in int64/float64 and cast the way the
+The inputs are those of the benchmark (:mod:`gradcomm.bench.data`): small integers drawn
+per (rank, count) from a seeded generator, in every dtype, so sums, maxima, minima and
+products are exact in any order, and with no period in the element index, so a misplaced
+or stale segment shows. Expected values are computed in float64 and cast the way the
 library casts. Used by the in-process matrix and by the mpirun / gloo scripts.
 """
 
@@ -9,7 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from gradcomm._dtypes import FLOATS, bf16_to_f32, f32_to_bf16, storage
+from gradcomm._dtypes import FLOATS
+from gradcomm.bench.data import exact_input, exact_result, exact_values
 
 DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64",
           "uint8")
@@ -24,45 +27,17 @@ def small_counts(p: int) -> list[int]:
 
 def values(rank: int, count: int, dtype: str, op: str) -> np.ndarray:
     """Exact small-integer values (as float64) for ``rank``'s input."""
-    i = np.arange(count, dtype=np.int64)
-    if op == "prod":                        # +-1 and occasional 2: |product| <= 2^p
-        v = np.where((i + rank) % 5 == 0, 2, np.where((i * 3 + rank) % 4 == 1, -1, 1))
-    else:
-        v = (i * 7 + rank * 3) % 5 - 2       # -2..2
-    if dtype == "uint8":
-        v = np.abs(v)
-    return v.astype(np.float64)
-
-
-def to_storage(v: np.ndarray, dtype: str) -> np.ndarray:
-    if dtype == "bfloat16":
-        return f32_to_bf16(v.astype(np.float32))
-    return v.astype(storage(dtype)) if dtype not in ("int8", "uint8", "int16", "int32") \
-        else v.astype(np.int64).astype(storage(dtype))
+    return exact_values(rank, count, dtype, op)
 
 
 def make_input(rank: int, count: int, dtype: str, op: str) -> np.ndarray:
     """``rank``'s input in storage form (bfloat16 as uint16 bits)."""
-    return to_storage(values(rank, count, dtype, op), dtype)
+    return exact_input(rank, count, dtype, op)
 
 
 def expected(p: int, count: int, dtype: str, op: str) -> np.ndarray:
-    """The exact result every rank must hold, in storage form."""
-    stack = np.stack([values(r, count, dtype, op) for r in range(p)]) if count else \
-        np.zeros((p, 0))
-    base = "sum" if op == "mean" else op
-    exact = {"sum": stack.sum(0), "max": stack.max(0), "min": stack.min(0),
-             "prod": stack.prod(0)}[base] if p else stack
-    if dtype not in FLOATS:
-        out = exact.astype(np.int64).astype(storage(dtype))   # wraps like the library
-    else:
-        out = to_storage(exact, dtype)
-    if op == "mean" and p > 1:
-        if dtype == "bfloat16":
-            out = f32_to_bf16(bf16_to_f32(out) / np.float32(p))
-        else:
-            out = out / out.dtype.type(p)
-    return out
+    """The exact result every one of ``p`` ranks must hold, in storage form."""
+    return exact_result(p, count, dtype, op)
 
 
 def op_applies(op: str, dtype: str) -> bool:

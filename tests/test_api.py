@@ -13,33 +13,41 @@ import pytest
 import torch
 
 import gradcomm
+from gradcomm.bench.data import exact_input, exact_result, exact_values
 from gradcomm.collectives import DENSE
 from gradcomm.comm import run_ranks
 from gradcomm.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(60)
 P = 3
+OPS = ("sum", "mean", "max", "min", "prod")
 
 
 def on_ranks(fn: Callable[[Any], Any], p: int = P) -> list[Any]:
     return run_ranks(p, fn, timeout=30)
 
 
+def ints(rank: int, n: int) -> np.ndarray:
+    """``rank``'s n small integers in -8..8 (float64), drawn per (rank, n): no period."""
+    return exact_values(rank, n, "int8", "sum")
+
+
 def numpy_inputs(rank: int) -> dict[str, np.ndarray]:
     """Each rank's inputs: small integers, so every sum is exact."""
-    a = (np.arange(24).reshape(4, 6) % 5 + rank).astype(np.float32)
+    a = ints(rank, 24).reshape(4, 6).astype(np.float32)
     return {
         "scalar": np.array(rank + 1.5),
-        "vector": np.arange(7, dtype=np.int32) * (rank + 1),
+        "vector": ints(rank, 7).astype(np.int32),
         "matrix": a,
         "transposed": a.T,
-        "strided": np.arange(40, dtype=np.float64)[::3] + rank,
+        "strided": ints(rank, 40)[::3],
         "fortran": np.asfortranarray(a.astype(np.int16)),
         "column": a[:, 2],
-        "3d_slice": np.arange(60, dtype=np.int64).reshape(3, 4, 5)[:, 1:3, ::2] - rank,
+        "3d_slice": ints(rank, 60).astype(np.int64).reshape(3, 4, 5)[:, 1:3, ::2],
+        "long": ints(rank, 300).astype(np.float32).reshape(3, 100)[:, ::2],
         "empty": np.zeros((0, 3), np.float16),
-        "float16": (np.arange(10) % 4 - rank).astype(np.float16),
-        "readonly": np.full(5, float(rank)),
+        "float16": ints(rank, 10).astype(np.float16),
+        "readonly": ints(rank, 5),
     }
 
 
@@ -90,7 +98,8 @@ TORCH_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, tor
 def torch_inputs(rank: int) -> dict[str, torch.Tensor]:
     out = {}
     for dt in TORCH_DTYPES:
-        base = (torch.arange(30).reshape(5, 6) % 4 + rank).to(dt)
+        vals = exact_values(rank, 30, "uint8" if dt == torch.uint8 else "int8", "sum")
+        base = torch.from_numpy(vals).reshape(5, 6).to(dt)
         key = str(dt).removeprefix("torch.")
         out[key] = base
         out[key + "_t"] = base.t()                       # non-contiguous
@@ -170,6 +179,13 @@ def test_every_algorithm_and_op(alg: str) -> None:
         assert res == [[10.0, -20.0, 30.0, 5.0], [2.5, -5.0, 7.5, 1.25],
                        [4.0, -2.0, 12.0, 2.0], [1.0, -8.0, 3.0, 0.5],
                        [24.0, 384.0, 1944.0, 1.5]]
+
+    def long(t: Any) -> list[bytes]:      # 203 elements: a misplaced segment shows
+        return [gradcomm.allreduce(exact_input(t.rank, 203, "float32", op), t, op=op,
+                                   algorithm=alg).tobytes() for op in OPS]
+
+    want = [exact_result(4, 203, "float32", op).tobytes() for op in OPS]
+    assert on_ranks(long, 4) == [want] * 4
 
 
 def test_single_rank_is_a_copy() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from gradcomm.bench.data import exact_values
 from gradcomm.collectives.allgather import allgather_ints, allgather_sizes, allgatherv
 from gradcomm.comm import run_ranks
 from gradcomm.errors import ConfigError, PayloadError
@@ -13,7 +14,8 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def _block(rank: int, size: int) -> np.ndarray:
-    return ((np.arange(size) * 31 + rank * 7) % 251).astype(np.uint8)
+    """``rank``'s bytes (0..8, drawn per (rank, size): no period, so a misplaced piece shows)."""
+    return exact_values(rank, size, "uint8", "sum").astype(np.uint8)
 
 
 @pytest.mark.parametrize("algorithm", ["ring", "recursive_doubling", "auto"])

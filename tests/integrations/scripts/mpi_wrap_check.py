@@ -263,11 +263,13 @@ def staged_checks(comm: Any, rank: int, p: int, with_torch: bool) -> dict[str, A
             mixed.tolist() == [float(tri + p)] * 5
     if "fp16" in __import__("gradcomm").compressors.names():
         cc = wrap(comm, algorithm="ring", compressor="fp16")
-        g = np.full(4096, rank + 1.0, np.float32)
+        from gradcomm.bench.data import exact_input, exact_result
+
+        g = exact_input(rank, 4096, "float32", "sum")        # per-rank integers, no period
         gd = g.copy()
         cc.Allreduce(MPI.IN_PLACE, gd)                       # direct
         out["compressed"] = staged(MPI.IN_PLACE, g, c=cc) and g.tobytes() == gd.tobytes() \
-            and g.tolist() == [float(tri + p)] * 4096
+            and g.tobytes() == exact_result(p, 4096, "float32", "sum").tobytes()
     return out
 
 

@@ -184,14 +184,17 @@ def main() -> int:
     if "fp16" in gradcomm.compressors.names():
         cc = wrap(world, algorithm="ring", compressor="fp16")
         ct = cc.gradcomm_transport
-        g = np.full(4096, rank + 1.0, np.float32)
+        from gradcomm.bench.data import exact_input, exact_result
+
+        g = exact_input(rank, 4096, "float32", "sum")        # per-rank integers, no period
         ct.stats.reset()
         cc.Allreduce(MPI.IN_PLACE, g)
         compressed = ct.stats.bytes_sent
-        dense_g = np.full(4096, rank + 1.0, np.float32)
+        dense_g = exact_input(rank, 4096, "float32", "sum")
         t.stats.reset()
         comm.Allreduce(MPI.IN_PLACE, dense_g)
-        res["compressed_sum"] = g.tolist() == dense_g.tolist() == [float(tri + p)] * 4096
+        res["compressed_sum"] = g.tobytes() == dense_g.tobytes() == \
+            exact_result(p, 4096, "float32", "sum").tobytes()
         res["compressed_bytes"] = [compressed, t.stats.bytes_sent]
         m = np.full(5, float(rank))
         cc.Allreduce(MPI.IN_PLACE, m, op=MPI.MAX)

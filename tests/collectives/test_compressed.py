@@ -18,6 +18,7 @@ import pytest
 import gradcomm
 from gradcomm import compressors
 from gradcomm._dtypes import bf16_to_f32, f32_to_bf16
+from gradcomm.bench.data import exact_values
 from gradcomm.collectives import compressed as C
 from gradcomm.collectives._segments import bounds
 from gradcomm.comm import run_ranks
@@ -71,7 +72,7 @@ def _rel(out: np.ndarray, exact: np.ndarray) -> float:
 def test_none_exact_every_route(p: int, algorithm: str) -> None:
     for n in sorted({0, 1, max(p - 1, 1), p, 2 * p + 3, 777}):
         def inputs(r, n=n):
-            return ((np.arange(n) * 7 + r * 3) % 5 - 2).astype(np.float32)
+            return exact_values(r, n, "float32", "sum").astype(np.float32)
 
         res = _run(p, n, algorithm, "none", op="sum", inputs=inputs)
         want = sum(inputs(r) for r in range(p)) if n else np.zeros(0, np.float32)
@@ -85,7 +86,7 @@ def test_none_other_dtypes_mean(dtype: str, algorithm: str) -> None:
     p, n = 4, 50
 
     def inputs(r):
-        return ((np.arange(n) + r) % 5).astype(np.float32)
+        return exact_values(r, n, dtype, "sum").astype(np.float32)
 
     res = _run(p, n, algorithm, "none", dtype=dtype, inputs=inputs)
     _same(res)

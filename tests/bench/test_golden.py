@@ -1,0 +1,44 @@
+"""Same bytes: the threads part of bench/golden.py against the recorded digests.
+
+The full comparison (mpirun and gloo at p = 2..8, the DDP hook) is
+``python bench/golden.py check``; this runs the in-process part at a few rank counts so
+that every commit of a refactor is held to the recorded bytes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("golden", ROOT / "bench" / "golden.py")
+golden = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(golden)  # type: ignore[union-attr]
+RECORDED = json.loads(golden.FILE.read_text())
+
+
+def _differ(group: str, got: dict[str, str]) -> list[str]:
+    want = RECORDED[group]
+    return sorted(k for k in want.keys() | got.keys() if want.get(k) != got.get(k))
+
+
+@pytest.mark.parametrize("p", [2, 3, 5])
+def test_threads_outputs_match_the_recorded_bytes(p: int) -> None:
+    bad = _differ(f"threads/{p}", golden.threads(p))
+    assert not bad, f"{len(bad)} cases changed bytes, e.g. {bad[:8]}"
+
+
+def test_payloads_match_the_recorded_bytes() -> None:
+    bad = _differ("payloads", golden.payloads())
+    assert not bad, f"{len(bad)} payloads changed bytes, e.g. {bad[:8]}"
+
+
+def test_every_wire_and_rank_count_was_recorded() -> None:
+    groups = set(RECORDED)
+    want = {f"{w}/{p}" for w in ("threads", "mpi", "gloo") for p in golden.PS}
+    want |= {f"ddp/{p}" for p in golden.DDP_PS} | {"payloads"}
+    assert want <= groups, sorted(want - groups)
+    assert any(k.startswith("codec/topk/ring/") for k in RECORDED["mpi/8"])

@@ -5,9 +5,9 @@
 
 1. Environment: torch CUDA, cupy (``cupy.cuda.is_available()``, not the import), the GPU,
    array-api-compat (the device kernels need it), mpirun, whether the MPI is CUDA-aware.
-2. The GPU tests: the device cases (ids naming cuda / cupy / nccl) of tests/test_gpu.py,
-   tests/compressors/test_xp_quant.py, test_xp_select.py, test_codecs_on_devices.py and
-   tests/test_device_audit.py (no host syncs in the device kernels, IEEE divisions).
+2. The GPU tests: the device cases (ids naming cuda / cupy / nccl) of tests/devices/:
+   test_gpu.py, test_xp_quant.py, test_xp_select.py, test_codecs_on_devices.py and
+   test_device_audit.py (no host syncs in the device kernels, IEEE divisions).
 3. Every codec on ``--size`` float32 elements of each array kind (torch CUDA, cupy; with
    ``--cpu`` torch CPU), next to a device-to-device copy of the same array in the same
    run (ms and x that copy; best of ``--repeat``, streams synchronised around each):
@@ -44,9 +44,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 #: the whole script must finish well within five minutes
 BUDGET_S = 270.0
-TESTS = ["tests/test_gpu.py", "tests/compressors/test_xp_quant.py",
-         "tests/compressors/test_xp_select.py", "tests/compressors/test_codecs_on_devices.py",
-         "tests/test_device_audit.py"]
+TESTS = ["tests/devices/test_gpu.py", "tests/devices/test_xp_quant.py",
+         "tests/devices/test_xp_select.py", "tests/devices/test_codecs_on_devices.py",
+         "tests/devices/test_device_audit.py"]
 #: codecs without a device encoder (compressed_allreduce stages them through the host)
 HOST_ONLY = {"powersgd"}
 OPTIONS = {"topk": {"ratio": 0.01}, "randomk": {"ratio": 0.01}}

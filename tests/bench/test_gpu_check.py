@@ -54,7 +54,7 @@ def test_gpu_check_without_a_gpu_reports_the_environment_only(tmp_path: Path) ->
     from gradcomm import _array
 
     if _array.cuda_usable("torch") or _array.cuda_usable("cupy"):
-        pytest.skip("a GPU is usable here: the full run is tests/test_gpu.py's")
+        pytest.skip("a GPU is usable here: the full run is tests/devices/test_gpu.py's")
     spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

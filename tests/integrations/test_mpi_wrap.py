@@ -3,7 +3,7 @@ specs, IN_PLACE, ops, torch tensors, 16-bit floats, fallbacks to MPI for what gr
 does not handle, attribute pass-through, identical bytes on every rank, mismatches; the
 staged route that device arrays take on an MPI that is not CUDA-aware, run on host arrays
 through the same code), and the parsing and option checks in-process on COMM_SELF.
-Device arrays themselves: tests/test_gpu.py (GPU machines).
+Device arrays themselves: tests/devices/test_gpu.py (GPU machines).
 """
 
 from __future__ import annotations

@@ -20,8 +20,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_checks import (CAP, INFO, batch, fail, flat_params, loss_of, make_model,
-                        run_checks, same_everywhere)
+from tests.integrations.scripts.ddp_checks import (CAP, INFO, batch, fail, flat_params,
+                                                   loss_of, make_model, run_checks,
+                                                   same_everywhere)
 
 import gradcomm
 from gradcomm.collectives.compressed import is_sparse

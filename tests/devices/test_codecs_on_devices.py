@@ -20,8 +20,8 @@ from gradcomm.errors import ConfigError, PayloadError
 torch = pytest.importorskip("torch")
 pytest.importorskip("array_api_compat")
 
-from test_codecs import CONFIGS, IDS  # noqa: E402
-from tests._devices import GPU_KINDS, data, on, wire  # noqa: E402
+from tests.compressors.test_codecs import CONFIGS, IDS  # noqa: E402
+from tests.devices._devices import GPU_KINDS, data, on, wire  # noqa: E402
 
 DEVICES = ["torch-cpu", *GPU_KINDS]
 

@@ -2,7 +2,7 @@
 bytes (same indices, values and return codes) on numpy arrays, torch CPU tensors and, where
 a GPU is usable, torch CUDA tensors and cupy arrays.
 
-Run as a script for a rough speed print: ``python tests/compressors/test_xp_select.py``.
+Run as a script for a rough speed print: ``python tests/devices/test_xp_select.py``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from gradcomm import _array
 from gradcomm.compressors._kernels import _numpy as NP
 from gradcomm.compressors._kernels import _xp_select as XS
-from tests._devices import KINDS, on, ref
+from tests.devices._devices import KINDS, on, ref
 
 torch = pytest.importorskip("torch")
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from gradcomm import _array
-from tests._devices import KINDS, on
+from tests.devices._devices import KINDS, on
 from tests.compressors.test_kernels import nasty, specials
 
 torch = pytest.importorskip("torch")

@@ -47,7 +47,7 @@ pytest.importorskip("array_api_compat")
 
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
-from tests._devices import GPU_KINDS, data, on as on_kind, wire  # noqa: E402
+from tests.devices._devices import GPU_KINDS, data, on as on_kind, wire  # noqa: E402
 from tests.compressors.test_codecs import CONFIGS, IDS  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)

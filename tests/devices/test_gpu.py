@@ -413,7 +413,7 @@ def test_gpu_check_script_runs_here(tmp_path, capsys):
     import json
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "bench" / "gpu_check.py"
+    path = Path(__file__).resolve().parents[2] / "bench" / "gpu_check.py"
     spec = importlib.util.spec_from_file_location("gpu_check", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -429,13 +429,13 @@ def test_gpu_check_script_runs_here(tmp_path, capsys):
     assert "environment:" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("place", PLACES[2:])    # torch CPU: tests/integrations/test_mpi_device.py
+@pytest.mark.parametrize("place", PLACES[2:])    # torch CPU: tests/devices/test_mpi_device.py
 def test_compressed_wrap_on_device_arrays_gives_the_host_bytes(place):
     """wrap(COMM_WORLD).Allreduce with int8 / topk / fp16 (gather and per-hop routes) on
     CUDA arrays at 2 MPI ranks: codecs on the device (route "device"), results written
     into the user's device memory with the bytes the host path gives the same values."""
     from tests._launch import mpi_call, require_mpi
-    from tests.integrations.test_mpi_device import check_results, compressed_wrap_on_the_device
+    from tests.devices.test_mpi_device import check_results, compressed_wrap_on_the_device
 
     require_mpi()
     check_results(mpi_call(compressed_wrap_on_the_device, 2, place, timeout=100), place)

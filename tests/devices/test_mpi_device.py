@@ -5,7 +5,7 @@ memory, the array-generic codec kernels). Every result must have the bytes the h
 gives the same tensors (placement "auto": host views, numpy codecs), in place and into a
 separate receive buffer, partial counts, 16-bit floats, empty buffers; per-hop routes
 (device buffers staged inside the compressed allreduce) too. CUDA and cupy buffers take
-the same route on a GPU machine (tests/test_gpu.py).
+the same route on a GPU machine (tests/devices/test_gpu.py).
 """
 
 from __future__ import annotations

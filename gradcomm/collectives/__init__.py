@@ -86,7 +86,7 @@ def dense_allreduce(t: Transport, buf: Any, op: str, dtype: str, algorithm_name:
     assert red is not None
     name = algorithm_name
     if name == "auto":
-        if checked and "_gradcomm_profile" not in t.__dict__:   # not auto.is_agreed(t)
+        if checked and not t.state.profile_agreed:     # not auto.is_agreed(t)
             auto.agree_profile(t)           # once per transport, collective (see auto)
         name = auto.select(t, int(buf.nbytes), dtype, red.base_op,
                            native=checked or t.native_bounded)

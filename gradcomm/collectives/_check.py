@@ -85,9 +85,7 @@ _AGREED: frozenset[str] = frozenset()
 def _signature(t: Transport, collective: str, fields: dict[str, Any]) -> _Signature:
     """This transport's packed form of the arguments (kept per transport, so that each
     rank's cache, and what it verified, follows that rank's own sequence of calls)."""
-    cache = t.__dict__.get("_gradcomm_signatures")
-    if cache is None:
-        cache = t.__dict__["_gradcomm_signatures"] = {}
+    cache = t.state.signatures
     try:
         key: Any = (collective, *fields.items())
         sig = cache.get(key)

@@ -45,7 +45,6 @@ SMALL = 64 * 1024
 #: the algorithms written on gradcomm's point-to-point layer
 HOP = ("recursive_doubling", "rabenseifner", "ring", "tree")
 _CACHE_LIMIT = 4096
-_NOT_LOADED = object()
 
 
 def table(t: Transport, nbytes: int, native: bool = False) -> str:
@@ -73,10 +72,7 @@ def select(t: Transport, nbytes: int, dtype: str = "float32", op: str = "sum", *
     docstring). Without it the answer is one of :data:`HOP` (what per-hop compressed
     routes need).
     """
-    d = t.__dict__
-    cache = d.get("_gradcomm_auto")
-    if cache is None:
-        cache = d["_gradcomm_auto"] = {}
+    cache = t.state.choices
     key = (nbytes, dtype, op, native)
     name = cache.get(key)
     if name is not None:
@@ -96,12 +92,12 @@ def select(t: Transport, nbytes: int, dtype: str = "float32", op: str = "sum", *
 # -- profiles ---------------------------------------------------------------------------
 def agreed_profile(t: Transport) -> Profile | None:
     """The profile every rank of ``t`` agreed on (None: none yet, or none anywhere)."""
-    return t.__dict__.get("_gradcomm_profile")
+    return t.state.profile
 
 
 def is_agreed(t: Transport) -> bool:
     """Whether the ranks of ``t`` already agreed on a profile (or on having none)."""
-    return "_gradcomm_profile" in t.__dict__
+    return t.state.profile_agreed
 
 
 def use_profile(t: Transport, profile: Profile | str | None) -> None:
@@ -113,7 +109,7 @@ def use_profile(t: Transport, profile: Profile | str | None) -> None:
         profile = Profile.load(profile)
     if profile is not None and not isinstance(profile, Profile):
         raise ConfigError(f"use_profile needs a Profile, a path or None, got {profile!r}")
-    t.__dict__["_gradcomm_local_profile"] = profile
+    t.state.local_profile, t.state.local_profile_set = profile, True
 
 
 def local_profile(t: Transport) -> Profile | None:
@@ -122,11 +118,10 @@ def local_profile(t: Transport) -> Profile | None:
     no profile), else :func:`~gradcomm.collectives.costmodel.default_path` if it exists
     (not for ``threads``). A file that is not a valid profile for this transport and
     rank count is ignored with a warning."""
-    d = t.__dict__
-    prof = d.get("_gradcomm_local_profile", _NOT_LOADED)
-    if prof is _NOT_LOADED:
-        prof = d["_gradcomm_local_profile"] = _load_local(t)
-    return prof  # type: ignore[return-value]
+    st = t.state
+    if not st.local_profile_set:
+        st.local_profile, st.local_profile_set = _load_local(t), True
+    return st.local_profile  # type: ignore[no-any-return]
 
 
 def profile_path(t: Transport) -> str | None:
@@ -185,8 +180,9 @@ def agree_profile(t: Transport) -> Profile | None:
     differ = agree(t, "auto profile", negotiable=("profile",),
                    profile=local.digest() if local is not None else 0)
     prof = _broadcast_root(t, local) if differ else local
-    t.__dict__["_gradcomm_profile"] = prof
-    t.__dict__.pop("_gradcomm_auto", None)
+    st = t.state
+    st.profile, st.profile_agreed = prof, True
+    st.choices.clear()
     return prof
 
 

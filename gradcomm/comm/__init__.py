@@ -17,6 +17,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from .base import DEFAULT_TIMEOUT, Request, Stats, Transport
+from .state import TransportState
 from .threads import ThreadTransport, run_ranks
 
 _CACHE: dict[int, tuple[Any, Transport]] = {}
@@ -72,4 +73,4 @@ def get_transport(comm: Any = None, *, timeout: float | None = None) -> Transpor
 
 
 __all__ = ["DEFAULT_TIMEOUT", "Request", "Stats", "ThreadTransport", "Transport",
-           "get_transport", "run_ranks"]
+           "TransportState", "get_transport", "run_ranks"]

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
 from ..errors import ConfigError, DeadlineError, TransportError
+from .state import TransportState
 
 #: default deadline of one blocking wait, seconds
 DEFAULT_TIMEOUT = 120.0
@@ -93,6 +94,8 @@ class Transport(ABC):
             raise ConfigError(f"timeout must be > 0 seconds, got {timeout}")
         self.rank, self.size, self.timeout = rank, size, float(timeout)
         self.stats = Stats()
+        #: what the collectives keep for this transport from call to call
+        self.state = TransportState()
 
     # -- to implement -------------------------------------------------------------------
     @abstractmethod

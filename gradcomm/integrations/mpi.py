@@ -78,16 +78,21 @@ class GradcommComm:
 
     gradcomm_options: dict[str, Any] = {}
     _gradcomm_base: type = object
+    #: the communicator ``wrap()`` was given (its own attributes pass through); None in a
+    #: ``Dup()`` of a wrapped one
+    _gradcomm_inner: Any = None
+    #: the transport, made at the first reduction
+    _gradcomm_transport: Any = None
 
     @property
     def gradcomm_transport(self) -> Any:
         """The gradcomm transport (private duplicate) this communicator reduces on."""
-        t = self.__dict__.get("_gradcomm_transport")
+        t = self._gradcomm_transport
         if t is None:
             from ..comm import get_transport
 
             t = get_transport(self, timeout=self.gradcomm_options.get("timeout"))
-            self.__dict__["_gradcomm_transport"] = t
+            self._gradcomm_transport = t
         return t
 
     def Allreduce(self, sendbuf: Any, recvbuf: Any, op: Any = None) -> None:
@@ -177,7 +182,7 @@ class GradcommComm:
     def __getattr__(self, name: str) -> Any:
         # only reached for names the communicator class does not have: the original
         # object's own attributes (e.g. of a user subclass)
-        inner = self.__dict__.get("_gradcomm_inner")
+        inner = self._gradcomm_inner
         if inner is None or name.startswith("_gradcomm"):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return getattr(inner, name)
@@ -230,15 +235,16 @@ def wrap(comm: Any, algorithm: str = "auto", compressor: Any = None, *, check: b
         if algorithm not in COMPRESSED_ALGORITHMS:
             raise ConfigError(f"unknown algorithm {algorithm!r} with a compressor; known: "
                               f"{', '.join(COMPRESSED_ALGORITHMS)}")
-    inner = comm.__dict__.get("_gradcomm_inner", comm) if isinstance(comm, GradcommComm) \
-        else comm
+    inner = comm._gradcomm_inner if isinstance(comm, GradcommComm) else None
+    if inner is None:
+        inner = comm
     base = type(comm)._gradcomm_base if isinstance(comm, GradcommComm) else type(comm)
     opts = {"algorithm": algorithm, "compressor": compressor, "check": bool(check),
             "seed": seed, "timeout": timeout, "options": dict(options)}
     cls = type(f"Wrapped{base.__name__}", (GradcommComm, base),
                {"gradcomm_options": opts, "_gradcomm_base": base, "__module__": __name__})
     wrapped = cls(comm)
-    wrapped.__dict__["_gradcomm_inner"] = inner
+    wrapped._gradcomm_inner = inner
     return wrapped
 
 

@@ -55,7 +55,7 @@ ALGORITHMS = ("allgather", "ring")             # a gather route and a per-hop on
 
 def environment() -> dict:
     """What is usable on this machine."""
-    from gradcomm import _array
+    from gradcomm import arrays
 
     env: dict = {"python": sys.version.split()[0]}
     for lib in ("torch", "cupy", "array_api_compat", "numba"):
@@ -63,7 +63,7 @@ def environment() -> dict:
             env[lib] = __import__(lib).__version__
         except Exception as exc:          # not installed, or a broken CUDA install
             env[lib] = f"unavailable ({type(exc).__name__})"
-    env["torch_cuda"], env["cupy_cuda"] = _array.cuda_usable("torch"), _array.cuda_usable("cupy")
+    env["torch_cuda"], env["cupy_cuda"] = arrays.cuda_usable("torch"), arrays.cuda_usable("cupy")
     if env["torch_cuda"]:
         import torch
 
@@ -129,18 +129,18 @@ def best_of(fn: Callable[[], Any], sync: Callable[[], None], repeat: int) -> flo
 
 def time_codecs(kind: str, n: int, repeat: int, deadline: float) -> list[dict]:
     """Rows for array ``kind``: the copies, then every codec's three paths."""
-    from gradcomm import _array, compressors
+    from gradcomm import arrays, compressors
     from gradcomm.compressors.base import Payload
 
     ref, sync = reference(kind)
     h = np.random.default_rng(0).standard_normal(n).astype(np.float32)
-    x, y = _array.like(h, ref), _array.like(np.empty_like(h), ref)
-    copy_s = best_of(lambda: _array.assign(y, x), sync, repeat)
+    x, y = arrays.like(h, ref), arrays.like(np.empty_like(h), ref)
+    copy_s = best_of(lambda: arrays.assign(y, x), sync, repeat)
     rows = [{"kind": kind, "codec": "d2d copy", "path": "copy", "ms": copy_s * 1e3,
              "x_copy": 1.0}]
 
     def staged_copies() -> None:           # what wrap() does around a host reduction
-        _array.copy_from_host(y, _array.copy_to_host(x))
+        arrays.copy_from_host(y, arrays.copy_to_host(x))
 
     s = best_of(staged_copies, sync, repeat)
     rows.append({"kind": kind, "codec": "wrap staging", "path": "d2h+h2d", "ms": s * 1e3,
@@ -156,7 +156,7 @@ def time_codecs(kind: str, n: int, repeat: int, deadline: float) -> list[dict]:
         try:
             c = compressors.get(name, **OPTIONS.get(name, {}))
             p = c.compress(x, seed=(0, 1))
-            kinds = {_array.kind(b) for b in p.buffers.values()}
+            kinds = {arrays.kind(b) for b in p.buffers.values()}
 
             def device(c=c) -> Any:
                 return c.decompress(c.compress(x, seed=(0, 1)), out=y)
@@ -165,8 +165,8 @@ def time_codecs(kind: str, n: int, repeat: int, deadline: float) -> list[dict]:
                 return c.decompress(Payload.from_bytes(p.to_bytes()), out=y)
 
             def staged(c=c) -> None:
-                host = _array.copy_to_host(x).view(np.float32)
-                _array.copy_from_host(y, c.decompress(c.compress(host, seed=(0, 1))))
+                host = arrays.copy_to_host(x).view(np.float32)
+                arrays.copy_from_host(y, c.decompress(c.compress(host, seed=(0, 1))))
 
             equal = p.to_bytes().tobytes() == c.compress(h, seed=(0, 1)).to_bytes().tobytes()
             for path, fn in (("device", device), ("wire", wire), ("staged", staged)):
@@ -183,7 +183,7 @@ def check_allreduce(kind: str, n: int) -> list[dict]:
     """gradcomm.allreduce on 2 in-process ranks, arrays of ``kind`` against numpy arrays
     of the same values (separate runs: each starts at step 0); bytes must be equal."""
     import gradcomm
-    from gradcomm import _array, compressors
+    from gradcomm import arrays, compressors
     from gradcomm.comm import run_ranks
 
     ref, _ = reference(kind)
@@ -192,12 +192,12 @@ def check_allreduce(kind: str, n: int) -> list[dict]:
         for algorithm in ALGORITHMS:
             def fn(t: Any, on_device: bool) -> tuple[bytes, str]:
                 h = np.random.default_rng(t.rank).standard_normal(n).astype(np.float32)
-                x = _array.like(h, ref) if on_device else h
+                x = arrays.like(h, ref) if on_device else h
                 y = gradcomm.allreduce(x, t, compressor=name, algorithm=algorithm,
                                        **OPTIONS.get(name, {}))
-                meta = _array.meta_of(y)
-                return _array.copy_to_host(y).tobytes(), \
-                    f"{meta.kind} {meta.device} {_array.codec_placement(meta)}"
+                meta = arrays.meta_of(y)
+                return arrays.copy_to_host(y).tobytes(), \
+                    f"{meta.kind} {meta.device} {arrays.codec_placement(meta)}"
 
             row: dict = {"kind": kind, "codec": name, "algorithm": algorithm}
             try:

@@ -172,10 +172,10 @@ MUTANTS: tuple[Mutant, ...] = (
     # -- the DDP hook (its own arithmetic; tests/integrations/scripts/ddp_checks.py 'exact')
     Mutant("ddp-returns-zeros", "the compressed DDP hook returns zeros and keeps the whole "
            "bucket in its residuals",
-           (Patch(_DDP, "            host.copy_(_array.from_flat(result, _array.meta_of(work)))",
+           (Patch(_DDP, "            host.copy_(arrays.from_flat(result, arrays.meta_of(work)))",
                   "            host.zero_()"),
-            Patch(_DDP, "                _array.subtract(x[a:b], decoded[a:b],",
-                  "                _array.subtract(x[a:b], 0 * decoded[a:b],")),
+            Patch(_DDP, "                arrays.subtract(x[a:b], decoded[a:b],",
+                  "                arrays.subtract(x[a:b], 0 * decoded[a:b],")),
            ("ddp_exact",)),
     Mutant("ddp-forgets-residual", "the DDP hook never adds a parameter's residual back",
            (Patch(_DDP, "                    x[a:a + n] += e\n", "                    pass\n"),),

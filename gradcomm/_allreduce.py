@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _array
+from . import arrays
 from .collectives import dense_allreduce
 from .comm import get_transport
 from .errors import ConfigError
@@ -71,22 +71,22 @@ def _flat(x: Any, t: Any, dense: bool) -> tuple[Any, Any]:
 
     Dense sums keep a device array on the device only on a transport that moves device
     buffers (CUDA-aware MPI), else they stage it through host memory. Compressed
-    reductions run their codecs where the data is (:func:`_array.codec_placement`): a
+    reductions run their codecs where the data is (:func:`arrays.codec_placement`): a
     device array stays a flat array of its own library on its device, and only payloads
     cross to the host.
     """
     if type(x) is not np.ndarray and not dense:
-        meta = _array.meta_of(x)
-        if _array.codec_placement(meta) == "device":
-            return _array.to_flat_native(x), meta
-    return _array.to_flat_for(x, t.devices if dense else _HOST)
+        meta = arrays.meta_of(x)
+        if arrays.codec_placement(meta) == "device":
+            return arrays.to_flat_native(x), meta
+    return arrays.to_flat_for(x, t.devices if dense else _HOST)
 
 
 def _unflat(buf: Any, meta: Any) -> Any:
     """The result as the user's kind of array, from :func:`_flat`'s buffer."""
-    if meta.kind == "torch" and not _array.is_host(buf) and _array.kind(buf) == "torch":
-        return _array.from_flat_native(buf, meta)
-    return _array.from_device_flat(buf, meta)
+    if meta.kind == "torch" and not arrays.is_host(buf) and arrays.kind(buf) == "torch":
+        return arrays.from_flat_native(buf, meta)
+    return arrays.from_device_flat(buf, meta)
 
 
 def allreduce_(x: Any, comm: Any = None, **kwargs: Any) -> Any:
@@ -104,10 +104,10 @@ def allreduce_(x: Any, comm: Any = None, **kwargs: Any) -> Any:
         [2.0, 2.0]
     """
     y = allreduce(x, comm, **kwargs)
-    if _array.kind(x) == "numpy":
+    if arrays.kind(x) == "numpy":
         x[...] = y
     else:
-        x.copy_(y) if _array.kind(x) == "torch" else x.__setitem__(Ellipsis, y)
+        x.copy_(y) if arrays.kind(x) == "torch" else x.__setitem__(Ellipsis, y)
     return x
 
 

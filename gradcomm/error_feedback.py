@@ -36,7 +36,7 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
-from . import _array
+from . import arrays
 from .errors import ConfigError
 
 #: format version of :meth:`ErrorFeedback.state_dict`
@@ -81,35 +81,35 @@ class ErrorFeedback:
         """
         dt = np.dtype(dtype)
         e = self._residuals.get(name)
-        if e is not None and (tuple(e.shape) != (n,) or _array.dtype_name(e) != dt.name):
-            warnings.warn(f"error-feedback residual {name!r} held {_array.size(e)} x "
-                          f"{_array.dtype_name(e)} but {n} x {dt} is needed now; it was "
+        if e is not None and (tuple(e.shape) != (n,) or arrays.dtype_name(e) != dt.name):
+            warnings.warn(f"error-feedback residual {name!r} held {arrays.size(e)} x "
+                          f"{arrays.dtype_name(e)} but {n} x {dt} is needed now; it was "
                           "reset to zeros", ResidualResetWarning, stacklevel=3)
             e = None
-        home = like is not None and not _array.is_host(like)
+        home = like is not None and not arrays.is_host(like)
         if e is None:
             e = np.zeros(n, dt)
             if home:
-                e = _array.like(e, like)
+                e = arrays.like(e, like)
             self._residuals[name] = e
-        elif home != (not _array.is_host(e)) or (home and _array.meta_of(e).device !=
-                                                   _array.meta_of(like).device):
-            e = self._residuals[name] = _array.like(_array.host(e).copy(), like) if home \
-                else _array.host(e).copy()
+        elif home != (not arrays.is_host(e)) or (home and arrays.meta_of(e).device !=
+                                                   arrays.meta_of(like).device):
+            e = self._residuals[name] = arrays.like(arrays.host(e).copy(), like) if home \
+                else arrays.host(e).copy()
         return e
 
     def compensate(self, name: str, x: Any) -> Any:
         """``x += e`` in place (flat ``x``, any array kind) and return ``x``; no-op when
         disabled."""
         if self.enabled:
-            x += self.residual(name, _array.size(x), _array.dtype_name(x), like=x)
+            x += self.residual(name, arrays.size(x), arrays.dtype_name(x), like=x)
         return x
 
     def update(self, name: str, x: Any, decoded: Any) -> None:
         """``e ← x − decoded`` where ``x`` is what was compressed (from :meth:`compensate`)."""
         if self.enabled:
-            _array.subtract(x, decoded,
-                            self.residual(name, _array.size(x), _array.dtype_name(x), like=x))
+            arrays.subtract(x, decoded,
+                            self.residual(name, arrays.size(x), arrays.dtype_name(x), like=x))
 
     def reset(self, key: str | None = None) -> None:
         """Forget the residuals (and steps) of ``key`` and its hops, or of every key."""
@@ -175,7 +175,7 @@ class ErrorFeedback:
         """
         sd: dict[str, Any] = {_VER: STATE_VERSION}
         for name, e in self._residuals.items():
-            sd[_RES + name] = _array.host(e).copy()      # device residuals come to the host
+            sd[_RES + name] = arrays.host(e).copy()      # device residuals come to the host
         for key, s in self._steps.items():
             sd[_STEP + key] = int(s)
         for name, v in self._extras.items():

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import gradcomm
-from gradcomm import _array
+from gradcomm import arrays
 from gradcomm._allreduce import _with_shape
 from gradcomm.comm import run_ranks
 from gradcomm.compressors.powersgd import PowerSGD
@@ -21,7 +21,7 @@ def _rank1(t) -> np.ndarray:
 
 
 def test_shape_goes_only_to_codecs_that_use_it():
-    meta2, meta1 = _array.meta_of(np.zeros((4, 5))), _array.meta_of(np.zeros(20))
+    meta2, meta1 = arrays.meta_of(np.zeros((4, 5))), arrays.meta_of(np.zeros(20))
     assert _with_shape("powersgd", meta2, {"rank": 2}) == {"rank": 2, "shape": (4, 5)}
     assert _with_shape(PowerSGD(), meta2, {}) == {"shape": (4, 5)}
     assert _with_shape("powersgd", meta1, {}) == {}                # flat: codec's layout

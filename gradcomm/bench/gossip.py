@@ -120,9 +120,9 @@ def _user_array(x: np.ndarray, dtype: str) -> Any:
 
 
 def _host(y: Any) -> np.ndarray:
-    from .. import _array
+    from .. import arrays
 
-    return y if isinstance(y, np.ndarray) else _array.host_view(y)
+    return y if isinstance(y, np.ndarray) else arrays.host_view(y)
 
 
 def _wrong(t: Transport, topo: topologies.Topology, step: int, y: Any, count: int,

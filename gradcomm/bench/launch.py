@@ -182,7 +182,7 @@ class TorchBaseline:
         import torch
         import torch.distributed as dist
 
-        from .. import _array
+        from .. import arrays
 
         src = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16) \
             if dtype == "bfloat16" else torch.from_numpy(x)
@@ -197,7 +197,7 @@ class TorchBaseline:
             dist.all_reduce(out, op=rop, group=group)
             if mean:
                 out.div_(p)
-            return _array.host_view(out)
+            return arrays.host_view(out)
 
         return call
 

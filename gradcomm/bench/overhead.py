@@ -51,7 +51,7 @@ def steps(t: Transport, size: int, algorithm: str = "recursive_doubling",
                                                          Callable[[], None]]:
     """The layers to time, bottom up, and a reset for the scratch buffer they reduce."""
     import gradcomm
-    from .. import _array
+    from .. import arrays
     from ..collectives import algorithm as get_algorithm
     from ..collectives import dense_allreduce
     from ..collectives._check import agree
@@ -73,7 +73,7 @@ def steps(t: Transport, size: int, algorithm: str = "recursive_doubling",
     out += [
         ("t.sendrecv (one exchange)", lambda: t.sendrecv(x, peer, tmp, peer, TAG_DATA)),
         ("t.barrier", t.barrier),
-        ("to_flat + from_flat", lambda: _array.from_flat(*_array.to_flat(x))),
+        ("to_flat + from_flat", lambda: arrays.from_flat(*arrays.to_flat(x))),
         ("agree() (the argument check)",
          lambda: agree(t, "allreduce", count=n, dtype="float32", op="sum",
                        algorithm=algorithm)),

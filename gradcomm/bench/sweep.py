@@ -49,7 +49,7 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
-from .. import _array
+from .. import arrays
 from .._dtypes import storage
 from ..collectives.costmodel import Profile
 from ..comm.base import TAG_USER, Transport
@@ -385,7 +385,7 @@ class _Run:
         elif self.v.error_feedback:
             expected = lambda: self._replay(residuals=self.stores)  # noqa: E731
         y = call() if timed is None else timed(call)
-        host = y if isinstance(y, np.ndarray) else _array.host_view(y)
+        host = y if isinstance(y, np.ndarray) else arrays.host_view(y)
         host = np.ascontiguousarray(host).reshape(-1)
         self.result = host
         if self.exact:

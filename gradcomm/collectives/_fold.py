@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import _array
+from .. import arrays
 from ..comm.base import Transport
 from ._wire import Wire
 
@@ -48,7 +48,7 @@ class Fold:
             if rank % 2 == 0:
                 t.send(w.encode(buf), rank + 1, tag)
             else:
-                tmp = w.partial_buffer(_array.size(buf), buf)
+                tmp = w.partial_buffer(arrays.size(buf), buf)
                 t.recv(tmp, rank - 1, tag)
                 w.reduce(tmp, buf, True)
         return self.virtual(rank)
@@ -59,7 +59,7 @@ class Fold:
         rank = t.rank
         if rank < 2 * self.rem:
             if rank % 2 == 0:
-                landing = w.final_buffer(_array.size(buf), buf)
+                landing = w.final_buffer(arrays.size(buf), buf)
                 t.recv(landing, rank + 1, tag)
                 w.place(landing, buf)
             else:

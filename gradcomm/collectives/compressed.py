@@ -107,7 +107,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from .. import _array, compressors
+from .. import arrays, compressors
 from .._dtypes import FLOATS
 from ..comm.base import Transport
 from ..compressors.base import Compressor, Payload
@@ -303,8 +303,8 @@ class _Seeds:
     def final(self, off: int, n: int, hop: int, seg: np.ndarray) -> tuple[int, ...]:
         if self.shared:
             return (*self.base, off, n)
-        stride = max(1, _array.size(seg) // 64)
-        fingerprint = zlib.crc32(np.ascontiguousarray(_array.host(seg[::stride])).tobytes())
+        stride = max(1, arrays.size(seg) // 64)
+        fingerprint = zlib.crc32(np.ascontiguousarray(arrays.host(seg[::stride])).tobytes())
         return (*self.base, 2, hop, off, n, fingerprint)
 
 
@@ -333,8 +333,8 @@ class CompressedWire:
                  max_parts: int = 1, ef: ErrorFeedback | None = None, key: str = "",
                  state: _State | None = None) -> None:
         self.codec, self.base, self.seeds = codec, base, seeds
-        self.dtype = _array.dtype_name(base)
-        self.device = not _array.is_host(base)      # codecs run on the base's device
+        self.dtype = arrays.dtype_name(base)
+        self.device = not arrays.is_host(base)      # codecs run on the base's device
         self.max_parts = max(1, max_parts)
         self.ef = ef if (ef is not None and ef.enabled and codec.lossy) else None
         self.key = key
@@ -370,13 +370,13 @@ class CompressedWire:
 
     def _scratch_of(self, slot: int, n: int) -> Any:
         if self.device:
-            return _array.empty_like_kind(self.base, n, self.dtype)
+            return arrays.empty_like_kind(self.base, n, self.dtype)
         return self.state.floats(slot, n, self.base.dtype)
 
     def _offset(self, seg: np.ndarray) -> int:
-        off, rem = divmod(_array.data_ptr(seg) - _array.data_ptr(self.base),
-                          _array.itemsize(self.base))
-        if rem or off < 0 or off + _array.size(seg) > _array.size(self.base):
+        off, rem = divmod(arrays.data_ptr(seg) - arrays.data_ptr(self.base),
+                          arrays.itemsize(self.base))
+        if rem or off < 0 or off + arrays.size(seg) > arrays.size(self.base):
             raise ConfigError("CompressedWire: segments must be views of the reduced buffer")
         return off
 
@@ -541,7 +541,7 @@ class CompressedWire:
     def _decode(self, data: np.ndarray, dst: np.ndarray) -> None:
         """``dst[...] = decode(data)`` (contiguous ``dst``), validated: codec name, the
         announced count ``n`` and, in the codecs, everything else."""
-        self._decode_payload(self._payload(data, _array.size(dst)), dst)
+        self._decode_payload(self._payload(data, arrays.size(dst)), dst)
 
     def _decode_payload(self, payload: Payload, dst: np.ndarray) -> None:
         try:
@@ -551,19 +551,19 @@ class CompressedWire:
         except (ValueError, TypeError, IndexError, KeyError, OverflowError) as exc:
             raise PayloadError(f"{self.codec.name} payload does not decode: {exc}") from None
         if res is not dst:
-            n = _array.size(dst)
-            if _array.is_host(res) != _array.is_host(dst) or tuple(res.shape) != (n,):
+            n = arrays.size(dst)
+            if arrays.is_host(res) != arrays.is_host(dst) or tuple(res.shape) != (n,):
                 raise PayloadError(f"{self.codec.name} payload decodes to "
                                    f"{getattr(res, 'shape', type(res))}, ({n},) expected")
-            _array.assign(dst, res)
+            arrays.assign(dst, res)
 
     def _decode_add(self, data: np.ndarray, seg: np.ndarray) -> None:
         """``seg += decode(data)``, validated."""
-        self._decode_add_payload(self._payload(data, _array.size(seg)), seg)
+        self._decode_add_payload(self._payload(data, arrays.size(seg)), seg)
 
     def _decode_add_payload(self, payload: Payload, seg: np.ndarray) -> None:
         if not self._add:
-            dec = self._scratch_of(1, _array.size(seg))
+            dec = self._scratch_of(1, arrays.size(seg))
             self._decode_payload(payload, dec)
             with np.errstate(invalid="ignore", over="ignore"):
                 seg += dec                      # IEEE addition commutes: order-free
@@ -582,7 +582,7 @@ class CompressedWire:
         return self.state.arena.take(self.bound(n))
 
     def encode(self, seg: np.ndarray) -> np.ndarray:
-        off, n = self._offset(seg), _array.size(seg)
+        off, n = self._offset(seg), arrays.size(seg)
         hop = self._partial_hops
         self._partial_hops += 1
         seed = self.seeds.partial(off, n, hop)
@@ -592,13 +592,13 @@ class CompressedWire:
         return self._single(seg, seed, n, self.bound(n), residual=e)[0]
 
     def reduce(self, recv: np.ndarray, seg: np.ndarray, recv_first: bool) -> None:
-        off, n = self._offset(seg), _array.size(seg)
+        off, n = self._offset(seg), arrays.size(seg)
         self._forget(off, off + n)
         (_, _, data), = self._parts(recv, n, 1)
         self._decode_add(data, seg)
 
     def final(self, seg: np.ndarray) -> np.ndarray:
-        off, n = self._offset(seg), _array.size(seg)
+        off, n = self._offset(seg), arrays.size(seg)
         size = self.bound(n, self.max_parts)
         pieces = sorted((o, m, p) for o, (m, p) in self._finished.items()
                         if off <= o and o + m <= off + n)
@@ -623,7 +623,7 @@ class CompressedWire:
         return self.state.arena.take(self.bound(n, self.max_parts))
 
     def place(self, recv: np.ndarray, seg: np.ndarray) -> None:
-        off, n = self._offset(seg), _array.size(seg)
+        off, n = self._offset(seg), arrays.size(seg)
         parts = self._parts(recv, n, self.max_parts)
         self._forget(off, off + n)
         for o, m, data in parts:
@@ -710,12 +710,12 @@ def _link_bound(t: Transport, codec: Compressor, x: np.ndarray) -> bool:
     from .auto import agreed_profile
 
     prof = agreed_profile(t)
-    n = _array.size(x)
+    n = arrays.size(x)
     if prof is None or not n:
         return False
     p = t.size
-    c = max_nbytes(codec, n, _array.dtype_name(x))
-    coding = route_times(p, n, c, _array.itemsize(x), codec, "ring", _NoLink(prof))["ring"]
+    c = max_nbytes(codec, n, arrays.dtype_name(x))
+    coding = route_times(p, n, c, arrays.itemsize(x), codec, "ring", _NoLink(prof))["ring"]
     return prof.beta * 2 * (p - 1) / p * c > 2 * coding
 
 
@@ -778,7 +778,7 @@ def _per_hop(t: Transport, x: np.ndarray, codec: Compressor, name: str, seeds: _
              ef: ErrorFeedback | None, key: str, state: _State | None = None) -> None:
     from . import algorithm
 
-    n, dt, itemsize = _array.size(x), _array.dtype_name(x), _array.itemsize(x)
+    n, dt, itemsize = arrays.size(x), arrays.dtype_name(x), arrays.itemsize(x)
     codec = segment_codec(codec, n)
 
     parts = 1 << (t.size.bit_length() - 1) if name == "rabenseifner" else 1
@@ -808,7 +808,7 @@ def _gathered(t: Transport, x: np.ndarray, codec: Compressor, sparse: bool, seed
     :func:`~gradcomm.collectives.sparse_allgather.allreduce` instead."""
     from .allgather import allgatherv
 
-    n = _array.size(x)
+    n = arrays.size(x)
     wire = CompressedWire(codec, x, seeds, state=state)
     pairs = _accepts(getattr(codec, "to_sparse", None), "payload")
     size = wire.bound(n)
@@ -849,16 +849,16 @@ def _gathered(t: Transport, x: np.ndarray, codec: Compressor, sparse: bool, seed
         except PayloadError as exc:
             raise PayloadError(f"rank {r}'s payload: {exc}") from None
     if wire.device:             # every payload to the device in one copy (8-byte aligned)
-        moved = _array.like(landing, x)
+        moved = arrays.like(landing, x)
         payloads = [pl.rebased(landing, moved) for pl in payloads]
     _decode_sum(wire, payloads, x)
 
 
 def _nonzero(a: Any) -> Any:
     """Indices of ``a``'s non-zero elements (int64, ascending, where ``a`` is)."""
-    if _array.is_host(a):
+    if arrays.is_host(a):
         return np.flatnonzero(a)
-    xp = _array.namespace(a)
+    xp = arrays.namespace(a)
     return xp.astype(xp.nonzero(a)[0], xp.int64)
 
 
@@ -867,13 +867,13 @@ def _sparse_sum(t: Transport, idx: Any, vals: Any, x: Any) -> None:
     the result lands in ``x`` where it is."""
     from .sparse_allgather import allreduce as sparse_allreduce
 
-    sparse_allreduce(t, _array.host(idx), _array.host(vals), _array.size(x), out=x)
+    sparse_allreduce(t, arrays.host(idx), arrays.host(vals), arrays.size(x), out=x)
 
 
 def _decode_sum(wire: CompressedWire, payloads: list[Payload], x: np.ndarray) -> None:
     """``x = Σ decode(payloads)`` in rank order (the codec's decompress_sum if it has its
     own, else decode, then decode-and-add)."""
-    codec, n = wire.codec, _array.size(x)
+    codec, n = wire.codec, arrays.size(x)
     try:
         if type(codec).decompress_sum is not Compressor.decompress_sum:
             total = codec.decompress_sum(payloads, out=x)
@@ -881,7 +881,7 @@ def _decode_sum(wire: CompressedWire, payloads: list[Payload], x: np.ndarray) ->
                 if tuple(total.shape) != (n,):
                     raise PayloadError(f"{codec.name} payloads decode to shape "
                                        f"{tuple(total.shape)}, ({n},) expected")
-                _array.assign(x, total)
+                arrays.assign(x, total)
             return
         wire._decode_payload(payloads[0], x)
         for p in payloads[1:]:
@@ -950,12 +950,12 @@ def compressed_allreduce(t: Transport, buf: np.ndarray, dtype: str, *, op: str,
     """
     powersgd = (compressor if isinstance(compressor, str) else
                 getattr(compressor, "name", None)) == "powersgd"
-    if not _array.is_host(buf) and powersgd:
+    if not arrays.is_host(buf) and powersgd:
         # PowerSGD's rounds run on the host: a device buffer is staged through a host copy
-        res = compressed_allreduce(t, _array.host(buf).copy(), dtype, op=op,
+        res = compressed_allreduce(t, arrays.host(buf).copy(), dtype, op=op,
                                    algorithm=algorithm, compressor=compressor, check=check,
                                    seed=seed, residuals=residuals, key=key, **options)
-        _array.assign(buf, _array.like(res, buf))
+        arrays.assign(buf, arrays.like(res, buf))
         return buf
     if powersgd:                                # stateful, two rounds: its own route
         from .powersgd import powersgd_allreduce
@@ -988,8 +988,8 @@ def compressed_allreduce(t: Transport, buf: np.ndarray, dtype: str, *, op: str,
         config = repr(sorted(codec.get_config().items())) if codec is not None else "?"
         # "auto" takes the gather routes for device buffers (on the host: maybe per hop)
         route = algorithm if algorithm != "auto" else \
-            "auto (host)" if _array.is_host(buf) else "auto (device buffer)"
-        agree_args(t, "compressed allreduce", problem, count=_array.size(buf), dtype=dtype,
+            "auto (host)" if arrays.is_host(buf) else "auto (device buffer)"
+        agree_args(t, "compressed allreduce", problem, count=arrays.size(buf), dtype=dtype,
                    op=op, algorithm=route, compressor=name, config=config,
                    seed=seed if isinstance(seed, int) else repr(seed), step=step, key=key,
                    error_feedback=residuals is not None and residuals.enabled)
@@ -1002,18 +1002,18 @@ def compressed_allreduce(t: Transport, buf: np.ndarray, dtype: str, *, op: str,
     return out
 
 
-@_array.device_scoped            # cupy: kernels and new arrays on buf's device
+@arrays.device_scoped            # cupy: kernels and new arrays on buf's device
 def _run(t: Transport, buf: np.ndarray, dtype: str, op: str, algorithm: str,
          codec: Compressor, seed: int, step: int, ef: ErrorFeedback | None, key: str
          ) -> np.ndarray:
-    p, n = t.size, _array.size(buf)
+    p, n = t.size, arrays.size(buf)
     ef = ef if (ef is not None and ef.enabled and codec.lossy and contractive(codec)) \
         else None
     pre_divide = op == "mean" and codec.lossy and p > 1
     if p == 1 or n == 0:
         x = _widen(buf, dtype, None)
         if pre_divide:
-            _array.divide_(x, p)
+            arrays.divide_(x, p)
         if ef is not None and n:
             ef.compensate(key, x)
             ef.update(key, x, x)
@@ -1021,10 +1021,10 @@ def _run(t: Transport, buf: np.ndarray, dtype: str, op: str, algorithm: str,
     with _session(t) as state:
         x = _widen(buf, dtype, state)
         if pre_divide:
-            _array.divide_(x, p)
+            arrays.divide_(x, p)
         seeds = _Seeds(seed, step, key, t.rank, codec.shared_seed)
         name = algorithm
-        if name == "auto" and not _array.is_host(x):     # device: gather routes only
+        if name == "auto" and not arrays.is_host(x):     # device: gather routes only
             name = "sparse_allgather" if is_sparse(codec) else "allgather"
         elif name == "auto":
             name = _choose(t, codec, n, x.dtype.name, buf.dtype.itemsize)
@@ -1033,7 +1033,7 @@ def _run(t: Transport, buf: np.ndarray, dtype: str, op: str, algorithm: str,
         else:
             _gathered(t, x, codec, name == "sparse_allgather", seeds, ef, key, state)
         if op == "mean" and not pre_divide:
-            _array.divide_(x, p)
+            arrays.divide_(x, p)
         return _narrow(x, buf, dtype)
 
 
@@ -1043,16 +1043,16 @@ def _widen(buf: np.ndarray, dtype: str, state: _State | None) -> np.ndarray:
         return buf
     from ..compressors import _kernels
 
-    n = _array.size(buf)
-    if not _array.is_host(buf):
-        x = _array.empty_like_kind(buf, n, "float32")
+    n = arrays.size(buf)
+    if not arrays.is_host(buf):
+        x = arrays.empty_like_kind(buf, n, "float32")
     else:
         x = state.floats(3, n, np.float32) if state is not None else np.empty(n, np.float32)
     k = _kernels.for_array(buf)
     if dtype == "bfloat16":
         k.bf16_to_f32(buf, x)
     else:
-        k.f16_to_f32(_array.bitcast(buf, "uint16"), x)
+        k.f16_to_f32(arrays.bitcast(buf, "uint16"), x)
     return x
 
 
@@ -1065,7 +1065,7 @@ def _narrow(x: np.ndarray, buf: np.ndarray, dtype: str) -> np.ndarray:
         if dtype == "bfloat16":
             k.f32_to_bf16(x, buf)
         else:
-            k.f32_to_f16(x, _array.bitcast(buf, "uint16"))
+            k.f32_to_f16(x, arrays.bitcast(buf, "uint16"))
     return buf
 
 

@@ -51,7 +51,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from .. import _array
+from .. import arrays
 from ..comm.base import TAG_DATA, Request, Transport
 from ..errors import DeadlineError
 from ._segments import ring_schedule
@@ -158,12 +158,12 @@ def allreduce(t: Transport, buf: Any, wire: Any, *, tag: int = TAG_DATA,
               chunk_bytes: int) -> None:
     """Ring allreduce of flat ``buf`` in place through ``wire`` (a compressed wire whose
     ``partial_buffer``/``final_buffer`` return distinct buffers), codec on a worker."""
-    p, rank, n = t.size, t.rank, _array.size(buf)
+    p, rank, n = t.size, t.rank, arrays.size(buf)
     if p == 1 or n == 0:
         return
     right, left = (rank + 1) % p, (rank - 1) % p
     last = 2 * p - 3                        # steps 0..p-2 reduce, p-1..2p-3 gather
-    first, jobs = ring_schedule(n, p, rank, max(1, chunk_bytes // _array.itemsize(buf)))
+    first, jobs = ring_schedule(n, p, rank, max(1, chunk_bytes // arrays.itemsize(buf)))
     landings = [wire.partial_buffer(hi - lo, buf, slot=i % 2) if s < p - 1 else
                 wire.final_buffer(hi - lo, buf[lo:hi]) for i, (s, lo, hi) in enumerate(jobs)]
     recvs: list[Request] = []

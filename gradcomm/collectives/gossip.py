@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .. import _array
+from .. import arrays
 from .._dtypes import FLOATS, bf16_to_f32, f32_to_bf16
 from ..comm import get_transport
 from ..comm.base import TAG_GOSSIP, Transport
@@ -105,14 +105,14 @@ def _topology_key(topology: Any) -> str:
     return topology if isinstance(topology, str) else repr(topology)
 
 
-def _flat_input(x: Any) -> tuple[np.ndarray, _array.Meta]:
+def _flat_input(x: Any) -> tuple[np.ndarray, arrays.Meta]:
     """``x`` as a flat storage buffer: a view when ``x`` is contiguous host memory (it is
     only read: sent and weighted), else a copy."""
-    meta = _array.meta_of(x)
+    meta = arrays.meta_of(x)
     try:
-        return _array.host_view(x), meta
+        return arrays.host_view(x), meta
     except ConfigError:                     # strided or on a device: stage a copy
-        return _array.to_flat(x)
+        return arrays.to_flat(x)
 
 
 def _widen(src: np.ndarray, dtype: str, out: np.ndarray) -> np.ndarray:
@@ -267,7 +267,7 @@ def gossip_average(x: Any, comm: Any = None, *, topology: str | Topology = "ring
     if setup.problem is not None:
         raise setup.problem
     assert setup.plan is not None
-    return _array.from_flat(mix(t, buf, meta.dtype, setup.plan), meta)
+    return arrays.from_flat(mix(t, buf, meta.dtype, setup.plan), meta)
 
 
 class Gossip:
@@ -350,7 +350,7 @@ class Gossip:
         t = self.transport
         step = self.step if step is None else step
         # CHOCO updates its copy in place; dense gossip only reads x
-        buf, meta = _flat_input(x) if self.compressor is None else _array.to_flat(x)
+        buf, meta = _flat_input(x) if self.compressor is None else arrays.to_flat(x)
         setup = _Setup(t, self.topology, step, self.weights, meta.dtype, self._plans)
         if setup.problem is None and self.compressor is not None:
             try:
@@ -370,7 +370,7 @@ class Gossip:
         else:
             out = self._choco(buf, meta.dtype, setup.plan, int(step))
         self.step = int(step) + 1
-        return _array.from_flat(out, meta)
+        return arrays.from_flat(out, meta)
 
     def _check_state(self, n: int, dt: np.dtype) -> None:
         est = self._estimate
@@ -519,7 +519,7 @@ def consensus_distance(x: Any, comm: Any = None) -> float:
     from .._allreduce import allreduce
 
     t = get_transport(comm)
-    buf, meta = _array.to_flat(x)
+    buf, meta = arrays.to_flat(x)
     _check_dtype(meta.dtype)
     v = _widen(buf, meta.dtype, np.empty(buf.size, np.float32)).astype(np.float64)
     mean = allreduce(v, t, op="mean", algorithm="recursive_doubling")

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import _array
+from .. import arrays
 from ..comm.base import TAG_DATA, Transport
 from ._fold import Fold
 from ._reduce import Reducer
@@ -52,7 +52,7 @@ def _swap(t: Transport, out: Any, landing: Any, peer: int, tag: int) -> None:
 def allreduce(t: Transport, buf: Any, red: Reducer, *, tag: int = TAG_DATA,
               wire: Wire | None = None) -> None:
     """Allreduce ``buf`` (flat, contiguous) in place across all ranks of ``t``."""
-    p, rank, n = t.size, t.rank, _array.size(buf)
+    p, rank, n = t.size, t.rank, arrays.size(buf)
     if p == 1 or n == 0:
         return
     w = wire or DenseWire(red)
@@ -72,8 +72,8 @@ def allreduce(t: Transport, buf: Any, red: Reducer, *, tag: int = TAG_DATA,
             peer = fold.real(vrank ^ mask)
             keep, give = window(vrank, mask), window(vrank ^ mask, mask)
             seg, other = buf[keep], buf[give]   # empty windows send nothing
-            landing = w.partial_buffer(_array.size(seg), buf) if _array.size(seg) else None
-            _swap(t, w.encode(other) if _array.size(other) else None, landing, peer, tag)
+            landing = w.partial_buffer(arrays.size(seg), buf) if arrays.size(seg) else None
+            _swap(t, w.encode(other) if arrays.size(other) else None, landing, peer, tag)
             if landing is not None:
                 w.reduce(landing, seg, peer < rank)
             mask >>= 1
@@ -81,8 +81,8 @@ def allreduce(t: Transport, buf: Any, red: Reducer, *, tag: int = TAG_DATA,
         while mask < pof2:
             peer = fold.real(vrank ^ mask)
             mine, theirs = buf[window(vrank, mask)], buf[window(vrank ^ mask, mask)]
-            landing = w.final_buffer(_array.size(theirs), theirs) if _array.size(theirs) else None
-            _swap(t, w.final(mine) if _array.size(mine) else None, landing, peer, tag)
+            landing = w.final_buffer(arrays.size(theirs), theirs) if arrays.size(theirs) else None
+            _swap(t, w.final(mine) if arrays.size(mine) else None, landing, peer, tag)
             if landing is not None:
                 w.place(landing, theirs)
             mask <<= 1

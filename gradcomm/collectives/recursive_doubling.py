@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import _array
+from .. import arrays
 from ..comm.base import TAG_DATA, Transport
 from ._fold import Fold
 from ._reduce import Reducer
@@ -36,7 +36,7 @@ from ._wire import DenseWire, Wire
 def allreduce(t: Transport, buf: Any, red: Reducer, *, tag: int = TAG_DATA,
               wire: Wire | None = None) -> None:
     """Allreduce ``buf`` (flat, contiguous) in place across all ranks of ``t``."""
-    p, rank, n = t.size, t.rank, _array.size(buf)
+    p, rank, n = t.size, t.rank, arrays.size(buf)
     if p == 1 or n == 0:
         return
     w = wire or DenseWire(red)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import _array
+from .. import arrays
 from ..comm.base import TAG_DATA, Request, Transport
 from ._reduce import Reducer
 from ._segments import ring_schedule
@@ -48,13 +48,13 @@ def allreduce(t: Transport, buf: Any, red: Reducer, *, tag: int = TAG_DATA,
 
     ``chunk_bytes`` must be the same on every rank (it fixes the message sizes).
     """
-    p, rank, n = t.size, t.rank, _array.size(buf)
+    p, rank, n = t.size, t.rank, arrays.size(buf)
     if p == 1 or n == 0:
         return
     w = wire or DenseWire(red)
     right, left = (rank + 1) % p, (rank - 1) % p
     last = 2 * p - 3                        # steps 0..p-2 reduce, p-1..2p-3 gather
-    first, jobs = ring_schedule(n, p, rank, max(1, chunk_bytes // _array.itemsize(buf)))
+    first, jobs = ring_schedule(n, p, rank, max(1, chunk_bytes // arrays.itemsize(buf)))
     sends: dict[int, list[Request]] = {0: [t.isend(w.encode(buf[lo:hi]), right, tag)
                                            for lo, hi in first]}
 

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import _array
+from .. import arrays
 from .._dtypes import bf16_to_f32, f32_to_bf16
 from ..comm import get_transport
 from ..comm.base import Transport
@@ -130,11 +130,11 @@ def allreduce(t: Transport, indices: np.ndarray, values: np.ndarray, n: int, *,
     _, blocks, dense, _ = _exchange(t, idx, vals, n, mask=False)
     if out is None:
         out = np.zeros(n, vals.dtype)
-    host = _array.is_host(out)            # else a device buffer: blocks are copied there
+    host = arrays.is_host(out)            # else a device buffer: blocks are copied there
     if dense is not None:
-        _array.assign(out, dense if host else _array.like(dense, out))
+        arrays.assign(out, dense if host else arrays.like(dense, out))
         return out
-    _array.assign(out, 0)
+    arrays.assign(out, 0)
     scatter = None
     if not host or (out.dtype == vals.dtype and out.flags.c_contiguous and
                     vals.dtype.kind == "f"):
@@ -143,7 +143,7 @@ def allreduce(t: Transport, indices: np.ndarray, values: np.ndarray, n: int, *,
         scatter = _kernels.for_array(out).scatter    # compiled scatter-add on large n
     for ir, vr in blocks or []:
         if not host:
-            ir, vr = _array.like(ir, out), _array.like(vr, out)
+            ir, vr = arrays.like(ir, out), arrays.like(vr, out)
         if scatter is not None:
             scatter(out, ir, vr, True)                # blocks were checked in _exchange
         else:
@@ -179,8 +179,8 @@ def sparse_allgather(indices: Any, values: Any, comm: Any = None, *, size: int |
     problem: Exception | None = None
     vmeta = None
     try:
-        ibuf, imeta = _array.to_flat(indices)
-        vbuf, vmeta = _array.to_flat(values)
+        ibuf, imeta = arrays.to_flat(indices)
+        vbuf, vmeta = arrays.to_flat(values)
         if ibuf.dtype.kind not in "iu":
             raise ConfigError(f"indices must be integers, got {imeta.dtype}")
         if len(imeta.shape) != 1 or len(vmeta.shape) != 1 or ibuf.size != vbuf.size:
@@ -221,8 +221,8 @@ def sparse_allgather(indices: Any, values: Any, comm: Any = None, *, size: int |
         out_v = f32_to_bf16(out_v)
     out_v = np.ascontiguousarray(out_v)
     m = out_i.size
-    return (_array.from_flat(out_i, _array.Meta(imeta.kind, "int64", (m,), imeta.device)),
-            _array.from_flat(out_v, _array.Meta(vmeta.kind, vmeta.dtype, (m,), vmeta.device)))
+    return (arrays.from_flat(out_i, arrays.Meta(imeta.kind, "int64", (m,), imeta.device)),
+            arrays.from_flat(out_v, arrays.Meta(vmeta.kind, vmeta.dtype, (m,), vmeta.device)))
 
 
 __all__ = ["allreduce", "merge", "sparse_allgather"]

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import _array
+from .. import arrays
 from ..comm.base import TAG_DATA, Request, Transport
 from ._reduce import Reducer
 from ._segments import chunks
@@ -64,13 +64,13 @@ def allreduce(t: Transport, buf: Any, red: Reducer, *, tag: int = TAG_DATA,
 
     ``chunk_bytes`` must be the same on every rank (it fixes the message sizes).
     """
-    p, rank, n = t.size, t.rank, _array.size(buf)
+    p, rank, n = t.size, t.rank, arrays.size(buf)
     if p == 1 or n == 0:
         return
     w = wire or DenseWire(red)
     up, kids = parent(rank), children(rank, p)
     down = kids[::-1]                       # broadcast: largest subtree first
-    pieces = chunks(0, n, max(1, chunk_bytes // _array.itemsize(buf)))
+    pieces = chunks(0, n, max(1, chunk_bytes // arrays.itemsize(buf)))
     sends: list[Request] = []
 
     def reduced(lo: int, hi: int) -> None:  # chunk [lo, hi) holds this subtree's result

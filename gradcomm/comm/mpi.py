@@ -32,7 +32,7 @@ import os
 import time
 from typing import Any, Sequence
 
-from .. import _array
+from .. import arrays
 from ..errors import ConfigError, DeadlineError, TransportError, UnsupportedError
 from .base import DEFAULT_TIMEOUT, SPIN_SECONDS, TAG_DATA, Request, Transport, poll
 
@@ -135,7 +135,7 @@ class MPITransport(Transport):
     # -- point-to-point ---------------------------------------------------------------
     def _isend(self, buf: Any, dest: int, tag: int) -> Request:
         if self._cuda:
-            _array.sync(buf)             # kernels still writing a device buffer finish first
+            arrays.sync(buf)             # kernels still writing a device buffer finish first
         try:
             req = self.comm.Isend([buf, self._byte], dest, tag)
         except (BufferError, ValueError, TypeError) as exc:
@@ -145,7 +145,7 @@ class MPITransport(Transport):
 
     def _irecv(self, buf: Any, source: int, tag: int) -> Request:
         if self._cuda:
-            _array.sync(buf)
+            arrays.sync(buf)
         try:
             req = self.comm.Irecv([buf, self._byte], source, tag)
         except (BufferError, ValueError, TypeError) as exc:
@@ -338,7 +338,7 @@ class MPITransport(Transport):
         if self._stuck:
             self._collectives_usable()
         if self._cuda:
-            _array.sync(buf)
+            arrays.sync(buf)
         comm = self._comm if self._comm is not None else self.comm     # (raises if closed)
         try:
             comm.Allreduce(self.MPI.IN_PLACE, [buf, types[0]], types[1])

@@ -34,7 +34,7 @@ import time
 from datetime import timedelta
 from typing import Any, Sequence
 
-from .. import _array
+from .. import arrays
 from ..errors import ConfigError, DeadlineError, TransportError, UnsupportedError
 from .base import DEFAULT_TIMEOUT, Request, Transport
 
@@ -99,9 +99,9 @@ class TorchTransport(Transport):
 
     def _tensor(self, buf: Any) -> Any:
         if "cuda" in self.devices:
-            _array.sync(buf)
+            arrays.sync(buf)
         try:
-            return _array.torch_bytes(buf)
+            return arrays.torch_bytes(buf)
         except (RuntimeError, ValueError) as exc:
             raise TransportError(f"rank {self.rank}: cannot move this buffer: {exc} "
                                  "(flat contiguous buffers only)") from None

@@ -24,7 +24,7 @@ from typing import Any, ClassVar, Mapping, Sequence
 import msgpack
 import numpy as np
 
-from .. import _array
+from .. import arrays
 from .._dtypes import CODES, NAMES, STORAGE
 from ..errors import ConfigError, PayloadError, UnsupportedError
 
@@ -60,7 +60,7 @@ class Payload:
     def _meta(self) -> bytes:
         bufs = []
         for name, b in self.buffers.items():
-            bufs.append([name, CODES[_array.dtype_name(b)], _array.size(b)])
+            bufs.append([name, CODES[arrays.dtype_name(b)], arrays.size(b)])
         return msgpack.packb({"c": self.codec, "h": dict(self.header), "b": bufs},
                              use_bin_type=True)
 
@@ -70,7 +70,7 @@ class Payload:
         return _PREFIX.size + len(self._meta()) + self._body()
 
     def _body(self) -> int:
-        return sum(b.nbytes if isinstance(b, np.ndarray) else _array.nbytes(b)
+        return sum(b.nbytes if isinstance(b, np.ndarray) else arrays.nbytes(b)
                    for b in self.buffers.values())
 
     def rebased(self, src: np.ndarray, dst: Any) -> Payload:
@@ -89,9 +89,9 @@ class Payload:
         for k, b in self.buffers.items():
             off = b.ctypes.data - base if isinstance(b, np.ndarray) else -1
             if 0 <= off and off + b.nbytes <= src.size and off % b.itemsize == 0:
-                bufs[k] = _array.bitcast(dst[off:off + b.nbytes], b.dtype.name)
+                bufs[k] = arrays.bitcast(dst[off:off + b.nbytes], b.dtype.name)
             else:
-                bufs[k] = _array.like(np.ascontiguousarray(b), dst) if _array.is_host(b) \
+                bufs[k] = arrays.like(np.ascontiguousarray(b), dst) if arrays.is_host(b) \
                     else b
         return Payload(self.codec, self.header, bufs)
 
@@ -104,13 +104,13 @@ class Payload:
             >>> p.to(np.zeros(1)) is p
             True
         """
-        if _array.is_host(ref):
+        if arrays.is_host(ref):
             if all(isinstance(b, np.ndarray) for b in self.buffers.values()):
                 return self
             return Payload(self.codec, self.header,
-                           {k: _array.host(b) for k, b in self.buffers.items()})
+                           {k: arrays.host(b) for k, b in self.buffers.items()})
         return Payload(self.codec, self.header,
-                       {k: _array.like(np.ascontiguousarray(b), ref) if _array.is_host(b)
+                       {k: arrays.like(np.ascontiguousarray(b), ref) if arrays.is_host(b)
                         else b for k, b in self.buffers.items()})
 
     def to_bytes(self) -> np.ndarray:
@@ -144,7 +144,7 @@ class Payload:
         base = out.ctypes.data
         for b in self.buffers.values():
             if not isinstance(b, np.ndarray):                 # a device buffer: copied here
-                b = _array.host(b)
+                b = arrays.host(b)
             n = b.nbytes
             if n and not (b.flags.c_contiguous and b.ctypes.data == base + pos):
                 out[pos:pos + n] = np.ascontiguousarray(b).reshape(-1).view(np.uint8)
@@ -264,7 +264,7 @@ class Compressor(ABC):
         """Sum of the decoded payloads (codecs override this with fused kernels)."""
         total = self.decompress(payloads[0], out)
         for p in payloads[1:]:
-            part = _array.empty_like_kind(total, _array.size(total), _array.dtype_name(total))
+            part = arrays.empty_like_kind(total, arrays.size(total), arrays.dtype_name(total))
             with np.errstate(invalid="ignore", over="ignore"):
                 total += self.decompress(p, out=part)
         return total
@@ -304,14 +304,14 @@ def as_input(x: Any, name: str) -> Any:
         dt = x.dtype.name
     else:
         try:
-            dt = _array.dtype_name(x) if _array.kind(x) else ""
+            dt = arrays.dtype_name(x) if arrays.kind(x) else ""
         except ConfigError:
             raise ConfigError(f"{name}.compress takes a numpy array, cupy array or torch "
                               f"tensor, got {type(x).__name__}") from None
     if dt not in FLOAT_DTYPES:
         raise ConfigError(f"{name}.compress takes float16, float32 or float64, got "
                           f"{dt} (bfloat16 is widened to float32 by the caller)")
-    return _array.flat(x)
+    return arrays.flat(x)
 
 
 def seed_words(seed: Any) -> np.ndarray:
@@ -368,14 +368,14 @@ def fused_kernels(x: np.ndarray, residual: Any, decoded: Any, name: str) -> Any:
     dtype and size (``decoded`` may be ``x`` itself).
     """
     if not isinstance(x, np.ndarray):                     # device arrays: composed
-        dt, n = _array.dtype_name(x), _array.size(x)
+        dt, n = arrays.dtype_name(x), arrays.size(x)
         for what, a in (("residual", residual), ("decoded", decoded)):
-            ok = a is not None and not _array.is_host(a)
+            ok = a is not None and not arrays.is_host(a)
             if ok:
-                ok = _array.kind(a) == _array.kind(x) and _array.dtype_name(a) == dt and \
-                    len(a.shape) == 1 and _array.size(a) == n and \
-                    _array.meta_of(a).device == _array.meta_of(x).device and \
-                    _array.is_contiguous(a)
+                ok = arrays.kind(a) == arrays.kind(x) and arrays.dtype_name(a) == dt and \
+                    len(a.shape) == 1 and arrays.size(a) == n and \
+                    arrays.meta_of(a).device == arrays.meta_of(x).device and \
+                    arrays.is_contiguous(a)
             if a is not None and not ok:
                 raise ConfigError(f"{name}.compress: {what} must be a flat {dt}[{n}] array "
                                   f"of x's kind and device, got {type(a).__name__}")
@@ -414,7 +414,7 @@ def compose(codec: Compressor, x: np.ndarray, seed: Any, out: Any, residual: Any
         if residual is None and decoded is None:
             return payload
         dec = decoded if decoded is not None else \
-            _array.empty_like_kind(y, _array.size(y), _array.dtype_name(y))
+            arrays.empty_like_kind(y, arrays.size(y), arrays.dtype_name(y))
         codec.decompress(payload, out=dec)
         if residual is not None:
             residual -= dec
@@ -440,22 +440,22 @@ def make_out(out: Any, n: int, dtype: np.dtype, zero: bool = False, like: Any = 
         if n > MAX_COUNT:
             raise PayloadError(f"payload announces {n} elements, above MAX_COUNT={MAX_COUNT}; "
                                "pass out= to decode larger arrays")
-        if like is not None and not _array.is_host(like):
-            out = _array.empty_like_kind(like, n, np.dtype(dtype).name)
+        if like is not None and not arrays.is_host(like):
+            out = arrays.empty_like_kind(like, n, np.dtype(dtype).name)
             if zero:
-                _array.assign(out, 0)
+                arrays.assign(out, 0)
             return out
         return np.zeros(n, dtype) if zero else np.empty(n, dtype)   # zeros: lazy pages
-    if not isinstance(out, np.ndarray) and _array.kind(out):
+    if not isinstance(out, np.ndarray) and arrays.kind(out):
         name = np.dtype(dtype).name
-        if _array.dtype_name(out) != name or _array.size(out) != n or \
-                not _array.is_contiguous(out):
+        if arrays.dtype_name(out) != name or arrays.size(out) != n or \
+                not arrays.is_contiguous(out):
             raise PayloadError(f"payload decodes to {name}[{n}], out is "
-                               f"{_array.dtype_name(out)}[{_array.size(out)}] (or not "
+                               f"{arrays.dtype_name(out)}[{arrays.size(out)}] (or not "
                                "contiguous)")
-        out = out if len(out.shape) == 1 else _array.flat(out)
+        out = out if len(out.shape) == 1 else arrays.flat(out)
         if zero:
-            _array.assign(out, 0)
+            arrays.assign(out, 0)
         return out
     if not isinstance(out, np.ndarray) or out.dtype != dtype or out.size != n or \
             not out.flags.c_contiguous or not out.flags.writeable:
@@ -529,17 +529,17 @@ class Reader:
                 raise PayloadError(f"{self.name} payload: buffer {name!r} is "
                                    f"{b.dtype.name}[{b.size}], expected {dtype}[{count}]")
             b = b if b.flags.c_contiguous else np.ascontiguousarray(b)
-            return b if self.like is None or _array.is_host(self.like) else \
-                _array.like(b, self.like)
+            return b if self.like is None or arrays.is_host(self.like) else \
+                arrays.like(b, self.like)
         try:
-            ok = _array.dtype_name(b) == STORAGE[dtype].name and len(b.shape) == 1 and \
-                _array.size(b) == count
+            ok = arrays.dtype_name(b) == STORAGE[dtype].name and len(b.shape) == 1 and \
+                arrays.size(b) == count
         except ConfigError:
             ok = False
         if not ok:
             raise PayloadError(f"{self.name} payload: buffer {name!r} is not {dtype}[{count}]")
-        return _array.flat(b) if self.like is None or not _array.is_host(self.like) else \
-            _array.host(b)
+        return arrays.flat(b) if self.like is None or not arrays.is_host(self.like) else \
+            arrays.host(b)
 
 
 def reuse(out: Payload | None, name: str, dtype: Any, count: int, like: Any = None) -> Any:
@@ -548,7 +548,7 @@ def reuse(out: Payload | None, name: str, dtype: Any, count: int, like: Any = No
     paths (a fresh 64 MiB allocation costs several memory copies)."""
     dt = np.dtype(dtype)
     if like is not None and not isinstance(like, np.ndarray):    # device: like's kind
-        return _array.empty_like_kind(like, count, dt.name)
+        return arrays.empty_like_kind(like, count, dt.name)
     if out is not None:
         b = out.buffers.get(name)
         if isinstance(b, np.ndarray) and b.dtype == dt and b.size >= count and \
@@ -561,7 +561,7 @@ def as_float32(x: Any) -> Any:
     """float32 ``x`` itself, else a rounded copy (the quantizers work in float32)."""
     if isinstance(x, np.ndarray):
         return x if x.dtype == np.float32 else x.astype(np.float32)
-    return x if _array.dtype_name(x) == "float32" else _array.cast(x, "float32")
+    return x if arrays.dtype_name(x) == "float32" else arrays.cast(x, "float32")
 
 
 def dtype_code(dtype: Any) -> int:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from . import _kernels
-from .._array import dtype_name, size
+from ..arrays import dtype_name, size
 from .base import (Compressor, Payload, Reader, as_float32, dtype_code, make_out, need_out,
                    payload_nbytes, reuse)
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from . import _kernels
 from ._kernels import _numpy
-from .._array import assign, bitcast, dtype_name, is_host, size
+from ..arrays import assign, bitcast, dtype_name, is_host, size
 from .base import (Compressor, Payload, Reader, dtype_code, make_out, need_out, payload_nbytes,
                    reuse)
 

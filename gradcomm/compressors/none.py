@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .._array import assign, dtype_name, empty_like_kind, flat, size
+from ..arrays import assign, dtype_name, empty_like_kind, flat, size
 from .base import Compressor, Payload, check_codec, make_out, need_out, payload_nbytes
 from ..errors import PayloadError
 

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import _kernels
-from .._array import assign, dtype_name, empty_like_kind, size
+from ..arrays import assign, dtype_name, empty_like_kind, size
 from .base import (Payload, Reader, dtype_code, make_out,
                    need_out, payload_nbytes, reuse, seed_words)
 from .topk import KeepsK

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from . import _kernels
-from .._array import dtype_name, size
+from ..arrays import dtype_name, size
 from .base import (Payload, Reader, as_float32, dtype_code, make_out, need_out,
                    payload_nbytes, reuse, seed_words)
 from .int8 import MAX_BUCKET, Bucketed

@@ -26,7 +26,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import _kernels
-from .._array import assign, cast, dtype_name, size
+from ..arrays import assign, cast, dtype_name, size
 from .base import (Compressor, Payload, Reader, as_input, dtype_code, fused_kernels, make_out,
                    need_out, payload_nbytes, reuse)
 from ..errors import ConfigError, PayloadError

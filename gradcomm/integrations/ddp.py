@@ -128,7 +128,7 @@ from typing import Any, Callable, Mapping, Sequence
 import msgpack
 import numpy as np
 
-from .. import _array
+from .. import arrays
 from ..collectives import ALGORITHMS, DENSE, dense_allreduce
 from ..comm import get_transport
 from ..comm.base import Transport
@@ -357,7 +357,7 @@ class CommHookState:
         where :meth:`_route` says."""
         t = self.transport
         began, sent = time.perf_counter(), t.stats.bytes_sent
-        meta = _array.meta_of(flat)
+        meta = arrays.meta_of(flat)
         compressed = self._compressing()
         sig = (flat.numel(), meta.dtype, compressed)
         check = sig not in self._checked    # agree on new shapes only: gloo messages cost ms
@@ -379,7 +379,7 @@ class CommHookState:
         return (self.compressor is not None and self.compressor.lossy
                 and self.iter >= self.start_iter)
 
-    def _route(self, meta: _array.Meta, compressed: bool) -> str:
+    def _route(self, meta: arrays.Meta, compressed: bool) -> str:
         """Where a bucket described by ``meta`` is reduced: ``"device"`` (compressed,
         with codecs that run where the bucket is: CUDA buckets, or every
         tensor under ``GRADCOMM_CODEC_PLACEMENT=array``), ``"library"`` (uncompressed
@@ -389,7 +389,7 @@ class CommHookState:
             assert self.compressor is not None
             gather = self.algorithm in _DEVICE_ALGORITHMS and \
                 self.compressor.name not in _STAGED_CODECS
-            return "device" if gather and _array.codec_placement(meta) == "device" else "host"
+            return "device" if gather and arrays.codec_placement(meta) == "device" else "host"
         lib = self.library
         if lib is not None and meta.device != "cpu" and self.algorithm in ("auto", "native") \
                 and lib.native_supports(meta.dtype, "sum"):
@@ -405,10 +405,10 @@ class CommHookState:
         work.mul_(1.0 / self.transport.size)
         result = self._compressed(work, keys, lengths, check)
         if result is not work:
-            _array.assign(work, result)
+            arrays.assign(work, result)
         if work is not flat:
             flat.copy_(work)
-        _array.sync(flat)                   # done before the future hands it to DDP
+        arrays.sync(flat)                   # done before the future hands it to DDP
 
     def _library_allreduce(self, flat: Any, dtype: str, check: bool) -> None:
         """DDP's own path on a device process group: scale by 1/p and sum ``flat`` in
@@ -433,7 +433,7 @@ class CommHookState:
     def _library_finish(self, flat: Any, work: Any) -> None:
         assert self.library is not None
         self.library.native_allreduce_wait(work)               # type: ignore[attr-defined]
-        _array.sync(flat)                   # done before the future hands it to DDP
+        arrays.sync(flat)                   # done before the future hands it to DDP
         self.stats["native_nbytes"] += flat.numel() * flat.element_size()
 
     def _hook_library(self, buf: Any) -> Any:
@@ -445,7 +445,7 @@ class CommHookState:
         first agreed on the worker (after the buckets queued before it)."""
         if self.library is None or self._replay is not None or self._pending is not None:
             return None                     # a replayed layout: the worker groups units
-        meta = _array.meta_of(buf)
+        meta = arrays.meta_of(buf)
         compressed = self._compressing()
         if self._route(meta, compressed) != "library":
             return None
@@ -462,10 +462,10 @@ class CommHookState:
         """Staged through host memory (in place for CPU buckets)."""
         t = self.transport
         host = flat if flat.device.type == "cpu" else flat.cpu()
-        meta = _array.meta_of(host)
+        meta = arrays.meta_of(host)
         if not compressed:
             host.mul_(1.0 / t.size)
-            view = _array.host_view(host)
+            view = arrays.host_view(host)
             algorithm = self._dense_algorithm(meta.dtype)
             try:
                 dense_allreduce(t, view, "sum", meta.dtype, algorithm, check=check)
@@ -480,9 +480,9 @@ class CommHookState:
         else:
             work = host.double() if meta.dtype == "float64" else host.float()
             work.mul_(1.0 / t.size)
-            view = _array.host_view(work)
+            view = arrays.host_view(work)
             result = self._compressed(view, keys, lengths, check)
-            host.copy_(_array.from_flat(result, _array.meta_of(work)))
+            host.copy_(arrays.from_flat(result, arrays.meta_of(work)))
         if host is not flat:
             flat.copy_(host)
 
@@ -501,7 +501,7 @@ class CommHookState:
         unit = self.residuals.begin(keys, lengths, x)
         if self.algorithm == "native":                  # PowerSGD's rounds, on the library
             self.stats["native_nbytes"] += self._native_nbytes(x, unit)
-        return compressed_allreduce(self.transport, x, _array.meta_of(x).dtype, op="sum",
+        return compressed_allreduce(self.transport, x, arrays.meta_of(x).dtype, op="sum",
                                     algorithm=self.algorithm, compressor=self.compressor,
                                     check=check, seed=self.seed, residuals=self.residuals,
                                     key=unit)
@@ -707,9 +707,9 @@ class _Residuals(ErrorFeedback):
 
     def update(self, key: str, x: Any, decoded: Any) -> None:
         if self.enabled:
-            dtype = _array.dtype_name(x)
+            dtype = arrays.dtype_name(x)
             for name, a, b in self._segments:
-                _array.subtract(x[a:b], decoded[a:b],
+                arrays.subtract(x[a:b], decoded[a:b],
                                 self.residual(name, b - a, dtype, like=x))
 
     def locate(self, name: str, offset: int) -> None:
@@ -727,15 +727,15 @@ class _Residuals(ErrorFeedback):
         self.units[unit] = (list(keys), list(lengths))
         self._used.add(unit)
         self._segments = []
-        a, dtype = 0, _array.dtype_name(x)
+        a, dtype = 0, arrays.dtype_name(x)
         for name, n in zip(keys, lengths):
             self._segments.append((name, a, a + n))
             e = self._residuals.get(name) if self.enabled else None
             if e is not None:
-                if tuple(e.shape) == (n,) and _array.dtype_name(e) == dtype:
+                if tuple(e.shape) == (n,) and arrays.dtype_name(e) == dtype:
                     e = self.residual(name, n, dtype, like=x)    # where x is
                     x[a:a + n] += e
-                    _array.assign(e, 0.0)
+                    arrays.assign(e, 0.0)
                 else:
                     self.residual(name, n, dtype, like=x)       # warns and resets
             a += n
@@ -774,8 +774,8 @@ class _Residuals(ErrorFeedback):
             prefix = unit + HOP_SEP
             for hop, e in self._residuals.items():
                 if hop.startswith(prefix):
-                    out[hop] = [self.offsets.get(hop, -1), _array.size(e),
-                                zlib.crc32(_array.host(e).tobytes())]
+                    out[hop] = [self.offsets.get(hop, -1), arrays.size(e),
+                                zlib.crc32(arrays.host(e).tobytes())]
         return out
 
     def fold(self, unit: str, copies: Mapping[str, int] | None = None) -> None:
@@ -789,14 +789,14 @@ class _Residuals(ErrorFeedback):
             e = self._residuals.pop(hop)
             off = self.offsets.pop(hop, None)
             if off is None:
-                if np.any(_array.host(e)):
+                if np.any(arrays.host(e)):
                     warnings.warn(f"hop residual {hop!r} has no recorded offset; its error "
                                   "mass is dropped", stacklevel=2)
                 continue
             c = (copies or {}).get(hop, 1)
             if c > 1:
-                _array.divide_(e, c)                 # popped: no one else holds it
-            size, dtype = _array.size(e), _array.dtype_name(e)
+                arrays.divide_(e, c)                 # popped: no one else holds it
+            size, dtype = arrays.size(e), arrays.dtype_name(e)
             for i, name in enumerate(names):
                 lo, hi = max(off, starts[i]), min(off + size, starts[i + 1])
                 if lo < hi:
@@ -807,7 +807,7 @@ class _Residuals(ErrorFeedback):
         """``({"residuals": ..., "extra": ...}, {"units": ..., "offsets": ...})``, the
         arrays on the host (device residuals are copied there)."""
         units = {u: {"names": n, "lengths": ls} for u, (n, ls) in self.units.items()}
-        residuals = {k: _array.host(v) for k, v in self._residuals.items()}
+        residuals = {k: arrays.host(v) for k, v in self._residuals.items()}
         return ({"residuals": residuals, "extra": dict(self._extras)},
                 {"units": units, "offsets": dict(self.offsets)})
 
@@ -820,7 +820,7 @@ class _Residuals(ErrorFeedback):
     def copy(self) -> _Residuals:
         """An independent copy (arrays, extra state, units, offsets, shapes)."""
         out = type(self)(self.enabled, self.clock)
-        out._residuals = {k: _array.clone(v) for k, v in self._residuals.items()}
+        out._residuals = {k: arrays.clone(v) for k, v in self._residuals.items()}
         out._extras = {k: v.copy() for k, v in self._extras.items()}
         out.units = {k: (list(n), list(ls)) for k, (n, ls) in self.units.items()}
         out.offsets = dict(self.offsets)
@@ -874,12 +874,12 @@ class _Residuals(ErrorFeedback):
                     continue                 # a hop of an unknown unit: nothing to map
                 mine = out._residuals.get(name)
                 if mine is None:
-                    out._residuals[name] = _array.clone(e)
+                    out._residuals[name] = arrays.clone(e)
                 elif tuple(mine.shape) == tuple(e.shape):
                     mine += e
                 else:
-                    raise ConfigError(f"residual {name!r} has {_array.size(e)} elements on "
-                                      f"one saved rank and {_array.size(mine)} on another")
+                    raise ConfigError(f"residual {name!r} has {arrays.size(e)} elements on "
+                                      f"one saved rank and {arrays.size(mine)} on another")
         return out
 
 

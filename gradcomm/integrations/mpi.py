@@ -49,7 +49,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .. import _array
+from .. import arrays
 from .._dtypes import FLOATS, storage
 from ..errors import ConfigError
 
@@ -117,32 +117,32 @@ class GradcommComm:
             return None
         if recv.view is None:                      # device memory: its producer is done
             for b in (recv,) if send is None else (send, recv):
-                _array.sync(b.obj)
+                arrays.sync(b.obj)
         view = _native_view if route == "device" else _direct_view
         rview = view(recv, dtype)
         if send is not None and send.count:
-            _array.assign(rview, view(send, dtype))
+            arrays.assign(rview, view(send, dtype))
         self._gradcomm_reduce(rview, dtype, opname)
-        _array.sync(rview)                         # device results complete on return
+        arrays.sync(rview)                         # device results complete on return
         return None
 
     def _gradcomm_route(self, send: _Buf | None, recv: _Buf, dtype: str, op: str) -> str:
         """"device" for a compressed sum whose codecs run where the buffers are
-        (:func:`_array.codec_placement`); "direct" when gradcomm can reduce in the
+        (:func:`arrays.codec_placement`); "direct" when gradcomm can reduce in the
         buffers' own memory: host memory, or device memory that the transport moves
         (CUDA-aware MPI) for a sum that is not compressed; else "staged" through host
         memory."""
         sides = (recv,) if send is None else (send, recv)
         if self._gradcomm_compresses(dtype, op):
-            metas = [_array.meta_of(b.obj) for b in sides]
+            metas = [arrays.meta_of(b.obj) for b in sides]
             if len({(m.kind, m.device) for m in metas}) == 1 and \
-                    _array.codec_placement(metas[0]) == "device":
+                    arrays.codec_placement(metas[0]) == "device":
                 return "device"
         if all(b.view is not None for b in sides):
             return "direct"
         devices = _HOST if self._gradcomm_compresses(dtype, op) else \
             self.gradcomm_transport.devices
-        if all(b.view is None and _array.placement(_array.meta_of(b.obj), devices) ==
+        if all(b.view is None and arrays.placement(arrays.meta_of(b.obj), devices) ==
                "device" for b in sides):
             return "direct"
         return "staged"
@@ -152,9 +152,9 @@ class GradcommComm:
         result into ``recv``'s memory; any kind or device, host arrays included."""
         st = storage(dtype)
         nbytes = recv.count * st.itemsize
-        host = _array.copy_to_host((recv if send is None else send).obj, nbytes).view(st)
+        host = arrays.copy_to_host((recv if send is None else send).obj, nbytes).view(st)
         self._gradcomm_reduce(host, dtype, op)
-        _array.copy_from_host(recv.obj, host)
+        arrays.copy_from_host(recv.obj, host)
 
     def _gradcomm_compresses(self, dtype: str, op: str) -> bool:
         return self.gradcomm_options["compressor"] is not None and op == "sum" and \
@@ -173,7 +173,7 @@ class GradcommComm:
                                        compressor=compressor, check=opts["check"],
                                        seed=opts["seed"], **opts["options"])
             if out is not buf:
-                _array.assign(buf, out)
+                arrays.assign(buf, out)
             return
         if algorithm not in DENSE:                 # compressed-only names, e.g. allgather
             algorithm = "auto"
@@ -281,17 +281,17 @@ def _storage_of(obj: Any) -> tuple[Any, np.ndarray | None, int, str] | None:
     """(array, flat uint8 host view of its memory or None in device memory, its size in
     bytes, logical dtype), or None to leave ``obj`` to MPI."""
     try:
-        k = _array.kind(obj)
+        k = arrays.kind(obj)
     except ConfigError:
         k = None
     try:
         if k is not None:
-            meta = _array.meta_of(obj)
+            meta = arrays.meta_of(obj)
             if meta.device == "cpu":
-                raw = _array.host_view(obj).view(np.uint8)
+                raw = arrays.host_view(obj).view(np.uint8)
                 return obj, raw, raw.size, meta.dtype
             if not meta.device.startswith("cuda") or meta.dtype not in _HANDLED or \
-                    not _array.is_contiguous(obj):
+                    not arrays.is_contiguous(obj):
                 return None                        # e.g. MPS tensors: MPI's own
             return obj, None, meta.count * storage(meta.dtype).itemsize, meta.dtype
         arr = np.asarray(memoryview(obj))          # bytearray, array.array, memoryview...
@@ -350,15 +350,15 @@ def _direct_view(buf: _Buf, dtype: str) -> Any:
     st = storage(dtype)
     if buf.count == 0:                             # nothing to move: skip the DLPack view
         return np.empty(0, st)
-    return _array.byte_view(buf.obj)[:buf.count * st.itemsize].view(st)
+    return arrays.byte_view(buf.obj)[:buf.count * st.itemsize].view(st)
 
 
 def _native_view(buf: _Buf, dtype: str) -> Any:
     """The flat storage-typed view of ``buf``'s elements in the array's own library and
     memory (torch stays torch, cupy cupy, numpy numpy): where device codecs run."""
     st = storage(dtype)
-    raw = _array.bitcast(_array.flat(buf.obj), "uint8")
-    return _array.bitcast(raw[:buf.count * st.itemsize], st.name)
+    raw = arrays.bitcast(arrays.flat(buf.obj), "uint8")
+    return arrays.bitcast(raw[:buf.count * st.itemsize], st.name)
 
 
 def _plan(MPI: Any, comm: Any, sendbuf: Any, recvbuf: Any,

@@ -51,9 +51,9 @@ def test_gpu_check_cpu_mode_times_and_checks_every_codec(tmp_path: Path) -> None
 def test_gpu_check_without_a_gpu_reports_the_environment_only(tmp_path: Path) -> None:
     import importlib.util
 
-    from gradcomm import _array
+    from gradcomm import arrays
 
-    if _array.cuda_usable("torch") or _array.cuda_usable("cupy"):
+    if arrays.cuda_usable("torch") or arrays.cuda_usable("cupy"):
         pytest.skip("a GPU is usable here: the full run is tests/devices/test_gpu.py's")
     spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
     mod = importlib.util.module_from_spec(spec)

@@ -10,13 +10,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gradcomm import _array
+from gradcomm import arrays
 
 GPU_KINDS = [
     pytest.param("torch-cuda", marks=pytest.mark.skipif(
-        not _array.cuda_usable("torch"), reason="no usable CUDA device through torch")),
+        not arrays.cuda_usable("torch"), reason="no usable CUDA device through torch")),
     pytest.param("cupy", marks=pytest.mark.skipif(
-        not _array.cuda_usable("cupy"), reason="no usable CUDA device through cupy")),
+        not arrays.cuda_usable("cupy"), reason="no usable CUDA device through cupy")),
 ]
 #: every kind: numpy and torch CPU, plus the GPU ones
 KINDS = ["numpy", "torch-cpu", *GPU_KINDS]
@@ -39,7 +39,7 @@ def ref(kind: str):
 
 def on(kind: str, a: np.ndarray):
     """A fresh copy of host ``a`` as an array of ``kind`` (never sharing ``a``)."""
-    return _array.like(np.array(a, copy=True), ref(kind))
+    return arrays.like(np.array(a, copy=True), ref(kind))
 
 
 def data(n: int, dtype: str, seed: int) -> np.ndarray:

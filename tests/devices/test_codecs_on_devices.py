@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gradcomm import _array
+from gradcomm import arrays
 from gradcomm.compressors import get
 from gradcomm.compressors.base import Payload
 from gradcomm.errors import ConfigError, PayloadError
@@ -29,7 +29,7 @@ COUNTS = (0, 1, 7, 9, 100, 1025, 4099)
 
 
 def host(a) -> np.ndarray:
-    return _array.host(a)
+    return arrays.host(a)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -46,7 +46,7 @@ def test_device_payload_bytes_equal_the_host_path(name: str, opts: dict, device:
             assert wire(p) == wire(ref), (dtype, n)
             assert p.nbytes == ref.nbytes
             for b in p.buffers.values():
-                assert _array.kind(b) == _array.kind(on(device, x[:1]))
+                assert arrays.kind(b) == arrays.kind(on(device, x[:1]))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -72,7 +72,7 @@ def test_decode_on_the_device_equals_the_host_decode(name: str, opts: dict,
             assert host(acc).tobytes() == acc_host.tobytes(), (dtype, n)
             dev = c.compress(on(device, x), seed=5)
             y = c.decompress(dev)
-            assert _array.kind(y) == _array.kind(out) and host(y).tobytes() == want.tobytes()
+            assert arrays.kind(y) == arrays.kind(out) and host(y).tobytes() == want.tobytes()
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -19,7 +19,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from gradcomm import _array  # noqa: E402
+from gradcomm import arrays  # noqa: E402
 from gradcomm.comm import run_ranks  # noqa: E402
 from gradcomm.integrations import ddp  # noqa: E402
 from tests._launch import torchrun  # noqa: E402
@@ -55,7 +55,7 @@ def _store(kind: str) -> ddp._Residuals:
 
 
 def _host(d: dict) -> dict:
-    return {k: _array.host(v).tobytes() for k, v in d.items()}
+    return {k: arrays.host(v).tobytes() for k, v in d.items()}
 
 
 def test_residual_store_on_tensors_gives_the_bytes_of_numpy():
@@ -68,16 +68,16 @@ def test_residual_store_on_tensors_gives_the_bytes_of_numpy():
         dec = dec_np if kind == "numpy" else torch.from_numpy(dec_np)
         digests = r.digests(["u"])
         unit = r.begin(["a", "b"], [3, 4], x)               # adds a's residual, resets it
-        assert _array.kind(r._residuals["a"]) == kind and not _array.host(
+        assert arrays.kind(r._residuals["a"]) == kind and not arrays.host(
             r._residuals["a"]).any()
         r.update(unit, x, dec)                              # e = x - decoded, per parameter
-        assert {_array.kind(r._residuals[k]) for k in "ab"} == {kind}
+        assert {arrays.kind(r._residuals[k]) for k in "ab"} == {kind}
         after_update = _host(r._residuals)
         r.units["u"] = (["a", "b"], [3, 4])
         r.fold("u", {"u#f1": 2})                            # hops into a and b
         local, meta = r.local_state()
         assert all(isinstance(v, np.ndarray) for v in local["residuals"].values())
-        out[kind] = (_array.host(x).tobytes(), digests, after_update, _host(r._residuals),
+        out[kind] = (arrays.host(x).tobytes(), digests, after_update, _host(r._residuals),
                      meta)
     assert out["torch"] == out["numpy"]
     x, _, _, folded, _ = out["numpy"]
@@ -100,8 +100,8 @@ def test_residuals_loaded_on_the_host_move_to_the_bucket_and_back():
 
 
 def test_each_bucket_takes_its_route(monkeypatch):
-    cpu = _array.Meta("torch", "float32", (10,), "cpu")
-    cuda = _array.Meta("torch", "float32", (10,), "cuda:0")
+    cpu = arrays.Meta("torch", "float32", (10,), "cpu")
+    cuda = arrays.Meta("torch", "float32", (10,), "cuda:0")
 
     def routes(t, codec, algorithm, **kw):
         state, _ = ddp.make_comm_hook(codec, algorithm=algorithm, transport=t, **kw)

@@ -5,7 +5,7 @@ CI has no GPU, and torch CPU tensors forgive what CUDA does not: a tensor made w
 (TorchScript, ``torch._lazy``) gives a ``lazy`` device that computes on the CPU yet, like
 CUDA, refuses to mix its tensors with CPU tensors (0-d CPU tensors excepted, as on CUDA),
 and is not ``"cpu"`` to every ``device.type`` branch in gradcomm, so the code a CUDA tensor
-takes runs here (e.g. ``_array.kth_smallest``'s ``topk`` selection, ``like``'s device copy).
+takes runs here (e.g. ``kth_smallest``'s ``topk`` selection, ``like``'s device copy).
 
 :class:`CudaRules` (a ``TorchFunctionMode``) also flags what is legal on any device but
 differs or costs on CUDA:
@@ -37,9 +37,10 @@ import numpy as np
 import pytest
 
 import gradcomm
-from gradcomm import _array
+from gradcomm import arrays
 from gradcomm.comm import run_ranks
 from gradcomm.compressors import get
+from gradcomm.compressors._kernels._kth_smallest import kth_smallest
 from gradcomm.compressors.base import Payload
 
 torch = pytest.importorskip("torch")
@@ -167,7 +168,7 @@ class CudaRules(TorchFunctionMode):
 
 def on(device, a: np.ndarray):
     """A fresh tensor on ``device`` with host ``a``'s elements (bfloat16 stays uint16)."""
-    return _array.like(np.array(a, copy=True), torch.zeros(1, device=device))
+    return arrays.like(np.array(a, copy=True), torch.zeros(1, device=device))
 
 
 def _adds(codec) -> bool:
@@ -220,7 +221,7 @@ def test_codecs_keep_device_rules(lazy, name: str, opts: dict) -> None:
             with rules:
                 p = c.compress(on(lazy, x), seed=(3, n))
             assert rules.total() <= 1, (dtype, n, rules.syncs)
-            assert all(_array.meta_of(b).device.startswith("lazy")
+            assert all(arrays.meta_of(b).device.startswith("lazy")
                        for b in p.buffers.values())
             with rules:
                 got = wire(p)
@@ -231,18 +232,18 @@ def test_codecs_keep_device_rules(lazy, name: str, opts: dict) -> None:
             host = Payload.from_bytes(ref.to_bytes())
             with rules:
                 out = c.decompress(host, out=on(lazy, np.full(n, 7, dtype)))
-            assert _array.host(out).tobytes() == c.decompress(ref).tobytes(), (dtype, n)
+            assert arrays.host(out).tobytes() == c.decompress(ref).tobytes(), (dtype, n)
             if _adds(c):
                 base = data(n, dtype, 99)
                 want = c.decompress(ref, out=base.copy(), add=True)
                 with rules:
                     out = c.decompress(host, out=on(lazy, base), add=True)
-                assert _array.host(out).tobytes() == want.tobytes(), (dtype, n)
+                assert arrays.host(out).tobytes() == want.tobytes(), (dtype, n)
             p2 = c.compress(on(lazy, x2), seed=(3, n))
             with rules:
                 out = c.decompress_sum([p, p2], out=on(lazy, np.zeros(n, dtype)))
             want = c.decompress_sum([ref, ref2])
-            assert _array.host(out).tobytes() == want.tobytes(), (dtype, n)
+            assert arrays.host(out).tobytes() == want.tobytes(), (dtype, n)
             assert rules.total() <= 4, (dtype, n, rules.syncs)
 
             if c.lossy and n:
@@ -250,11 +251,11 @@ def test_codecs_keep_device_rules(lazy, name: str, opts: dict) -> None:
                 want = wire(c.compress(x, seed=1, residual=e_ref))
                 with rules:
                     p = c.compress(on(lazy, x), seed=1, residual=e)
-                assert wire(p) == want and _array.host(e).tobytes() == e_ref.tobytes()
+                assert wire(p) == want and arrays.host(e).tobytes() == e_ref.tobytes()
             assert not rules.problems, rules.problems
 
 
-# --- the _array helpers the device route uses -------------------------------------------
+# --- the arrays helpers the device route uses -------------------------------------------
 
 def test_array_helpers_keep_device_rules(lazy) -> None:
     rng = np.random.default_rng(5)
@@ -265,38 +266,38 @@ def test_array_helpers_keep_device_rules(lazy) -> None:
                 a = rng.integers(-50, 50, n).astype(dt)  # many ties
                 t = on(lazy, a)
                 for j in sorted({0, n // 3, n // 2, n - 1}):
-                    k = _array.kth_smallest(t, j)
+                    k = kth_smallest(t, j)
                     assert k.device.type == "lazy" and int(k) == np.partition(a, j)[j]
         bits = rng.integers(0, 1 << 16, 999).astype(np.uint16)
         u = on(lazy, bits)                               # uint16 moves as int16
-        assert _array.dtype_name(u) == "uint16" and u.device.type == "lazy"
-        assert _array.host(u).tobytes() == bits.tobytes()
-        v = _array.empty_like_kind(u, 999, "uint16")
-        _array.assign(v, u)
-        w = _array.clone(v)
-        assert _array.host(w).tobytes() == bits.tobytes()
-        _array.assign(v, 0)
-        assert not _array.host(v).any()
+        assert arrays.dtype_name(u) == "uint16" and u.device.type == "lazy"
+        assert arrays.host(u).tobytes() == bits.tobytes()
+        v = arrays.empty_like_kind(u, 999, "uint16")
+        arrays.assign(v, u)
+        w = arrays.clone(v)
+        assert arrays.host(w).tobytes() == bits.tobytes()
+        arrays.assign(v, 0)
+        assert not arrays.host(v).any()
         f = rng.standard_normal(999).astype(np.float32) * 1e3
         for p in (3, 7, 12):                             # an IEEE division, not x * (1/p)
             y = on(lazy, f)
-            _array.divide_(y, p)
-            assert _array.host(y).tobytes() == (f / np.float32(p)).tobytes()
+            arrays.divide_(y, p)
+            assert arrays.host(y).tobytes() == (f / np.float32(p)).tobytes()
         g = on(lazy, f)
-        out = _array.empty_like_kind(g, 999, "float32")
-        _array.subtract(g, on(lazy, f[::-1].copy()), out)
-        assert _array.host(out).tobytes() == (f - f[::-1]).tobytes()
-        assert _array.host(_array.cast(g, "float64")).tobytes() == \
+        out = arrays.empty_like_kind(g, 999, "float32")
+        arrays.subtract(g, on(lazy, f[::-1].copy()), out)
+        assert arrays.host(out).tobytes() == (f - f[::-1]).tobytes()
+        assert arrays.host(arrays.cast(g, "float64")).tobytes() == \
             f.astype(np.float64).tobytes()
         b16 = torch.from_numpy(f).to(torch.bfloat16).to(lazy).reshape(9, 111)
-        flat = _array.to_flat_native(b16)
-        assert _array.dtype_name(flat) == "uint16" and flat.device.type == "lazy"
-        back = _array.from_flat_native(flat, _array.meta_of(b16))
+        flat = arrays.to_flat_native(b16)
+        assert arrays.dtype_name(flat) == "uint16" and flat.device.type == "lazy"
+        back = arrays.from_flat_native(flat, arrays.meta_of(b16))
         assert back.dtype == torch.bfloat16 and torch.equal(back.cpu(), b16.cpu())
-        raw = _array.copy_to_host(g, 12)
+        raw = arrays.copy_to_host(g, 12)
         assert raw.tobytes() == f[:3].tobytes()
-        _array.copy_from_host(g, np.zeros(2, np.float32))
-        assert _array.host(g)[:2].tolist() == [0.0, 0.0]
+        arrays.copy_from_host(g, np.zeros(2, np.float32))
+        assert arrays.host(g)[:2].tolist() == [0.0, 0.0]
     assert not rules.problems, rules.problems
 
 
@@ -440,22 +441,22 @@ def test_gpu_quantizers_encode_and_decode_without_synchronising(
         x = data(100_003, dtype, 1)
         ref = c.compress(x, seed=3)
         xd, out = on_kind(device, x), on_kind(device, np.zeros(x.size, dtype))
-        _array.sync(xd)
+        arrays.sync(xd)
         with _no_sync(device):
             p = c.compress(xd, seed=3)
             if name not in ("qsgd", "terngrad"):
                 c.decompress(p, out=out)
         assert wire(p) == wire(ref)
         if name not in ("qsgd", "terngrad"):
-            assert _array.host(out).tobytes() == c.decompress(ref).tobytes()
+            assert arrays.host(out).tobytes() == c.decompress(ref).tobytes()
 
 
 @pytest.mark.parametrize("device", GPU_KINDS)
 def test_gpu_division_is_ieee(device: str) -> None:
-    """``_array.divide_`` on the GPU is a true division (torch turns a division by a
+    """``arrays.divide_`` on the GPU is a true division (torch turns a division by a
     Python scalar into a product with its reciprocal on CUDA)."""
     f = data(100_003, "float32", 2) * np.float32(1e3)
     for p in (3, 7, 10, 12):
         y = on_kind(device, f)
-        _array.divide_(y, p)
-        assert _array.host(y).tobytes() == (f / np.float32(p)).tobytes(), p
+        arrays.divide_(y, p)
+        assert arrays.host(y).tobytes() == (f / np.float32(p)).tobytes(), p

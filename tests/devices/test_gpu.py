@@ -10,7 +10,7 @@ device-resident path of a transport that moves device buffers (``to_flat_for`` +
 ``dense_allreduce`` on cupy buffers), ``gradcomm.Allreduce`` with a compressor and error
 feedback, the compressed path of the public API (staged for the codecs, result back on
 the device), the byte copies ``wrap()`` stages device buffers with
-(``_array.copy_to_host`` / ``copy_from_host`` / ``byte_view``), ``wrap()``'s routes
+(``arrays.copy_to_host`` / ``copy_from_host`` / ``byte_view``), ``wrap()``'s routes
 (direct on a transport that moves device buffers, else staged) in-process on COMM_SELF and
 under mpirun, and the DDP comm hook on a model on the device.
 """
@@ -23,14 +23,14 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import gradcomm  # noqa: E402
-from gradcomm import _array  # noqa: E402
+from gradcomm import arrays  # noqa: E402
 from gradcomm.collectives import dense_allreduce  # noqa: E402
 from gradcomm.comm import run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
-TORCH_CUDA = _array.cuda_usable("torch")
-CUPY = _array.cuda_usable("cupy")
+TORCH_CUDA = arrays.cuda_usable("torch")
+CUPY = arrays.cuda_usable("cupy")
 PLACES = [
     pytest.param("numpy"),
     pytest.param("torch-cpu"),
@@ -67,7 +67,7 @@ def host(x) -> np.ndarray:
 
 
 def where(x) -> tuple[str, str]:
-    m = _array.meta_of(x)
+    m = arrays.meta_of(x)
     return m.kind, m.device
 
 
@@ -113,13 +113,13 @@ def test_device_resident_path_for_transports_that_move_device_buffers(place):
     def fn(t):
         t.devices = frozenset({"cpu", "cuda"})      # as a CUDA-aware MPI transport says
         x = make(place, np.arange(10, dtype=np.float64) * (t.rank + 1), "float32")
-        buf, meta = _array.to_flat_for(x, t.devices)
+        buf, meta = arrays.to_flat_for(x, t.devices)
         expect_device = meta.device != "cpu" and CUPY
-        assert _array.is_device(buf) == expect_device
-        assert _array.placement(meta, t.devices) == ("device" if expect_device else "host")
+        assert arrays.is_device(buf) == expect_device
+        assert arrays.placement(meta, t.devices) == ("device" if expect_device else "host")
         dense_allreduce(t, buf, "sum", meta.dtype, "ring")
-        _array.sync(buf)
-        y = _array.from_device_flat(buf, meta)
+        arrays.sync(buf)
+        y = arrays.from_device_flat(buf, meta)
         assert where(y) == where(x)
         return host(y)
 
@@ -153,11 +153,11 @@ def test_to_flat_for_round_trips_bitwise_and_never_aliases(place):
     for dt in ("float16", "float32", "bfloat16") if place.startswith("torch") else \
             ("float16", "float32"):
         x = make(place, vals, dt)
-        buf, meta = _array.to_flat_for(x, {"cpu", "cuda"})
+        buf, meta = arrays.to_flat_for(x, {"cpu", "cuda"})
         buf[...] = 0                                     # x must not change
         assert host(x).tolist() == host(make(place, vals, dt)).tolist()
-        buf2, meta2 = _array.to_flat_for(x, {"cpu", "cuda"})
-        y = _array.from_device_flat(buf2, meta2)
+        buf2, meta2 = arrays.to_flat_for(x, {"cpu", "cuda"})
+        y = arrays.from_device_flat(buf2, meta2)
         assert where(y) == where(x) and y.dtype == x.dtype
         np.testing.assert_array_equal(host(y), host(x))
 
@@ -250,32 +250,32 @@ def test_byte_copies_between_any_array_and_host(place):
     for dt in dtypes_for(place):
         vals = np.arange(10, dtype=np.float64) - 3
         x = make(place, vals, dt)
-        want = _array.host_view(make("torch-cpu" if place.startswith("torch") else "numpy",
+        want = arrays.host_view(make("torch-cpu" if place.startswith("torch") else "numpy",
                                      vals, dt)).view(np.uint8)
-        got = _array.copy_to_host(x)
+        got = arrays.copy_to_host(x)
         assert got.dtype == np.uint8 and got.tobytes() == want.tobytes(), dt
         got[...] = 0                                          # a copy, not a view
-        assert _array.copy_to_host(x).tobytes() == want.tobytes()
+        assert arrays.copy_to_host(x).tobytes() == want.tobytes()
         k = want.size // 10 * 4
-        assert _array.copy_to_host(x, k).tobytes() == want[:k].tobytes()
-        assert _array.copy_to_host(x, 0).size == 0
+        assert arrays.copy_to_host(x, k).tobytes() == want[:k].tobytes()
+        assert arrays.copy_to_host(x, 0).size == 0
         with pytest.raises(ConfigError, match="bytes"):
-            _array.copy_to_host(x, want.size + 1)
-        other = _array.copy_to_host(make(place, vals * 2, dt), k)
-        _array.copy_from_host(x, other)                       # first 4 elements replaced
+            arrays.copy_to_host(x, want.size + 1)
+        other = arrays.copy_to_host(make(place, vals * 2, dt), k)
+        arrays.copy_from_host(x, other)                       # first 4 elements replaced
         assert np.array_equal(host(x), np.concatenate([vals[:4] * 2, vals[4:]])), dt
         with pytest.raises(ConfigError, match="bytes"):
-            _array.copy_from_host(x, np.zeros(want.size + 1, np.uint8))
+            arrays.copy_from_host(x, np.zeros(want.size + 1, np.uint8))
         assert where(x)[1] == ("cpu" if place in ("numpy", "torch-cpu") else where(x)[1])
     m = make(place, np.arange(12.0).reshape(3, 4), "float32")
-    assert _array.is_contiguous(m) and not _array.is_contiguous(m.T)
+    assert arrays.is_contiguous(m) and not arrays.is_contiguous(m.T)
     if place not in ("numpy", "torch-cpu"):
         with pytest.raises(ConfigError, match="contiguous"):
-            _array.copy_to_host(m.T)
+            arrays.copy_to_host(m.T)
         with pytest.raises(ConfigError, match="contiguous"):
-            _array.copy_from_host(m.T, np.zeros(4, np.uint8))
+            arrays.copy_from_host(m.T, np.zeros(4, np.uint8))
     if place in ("numpy", "torch-cpu") or CUPY:              # byte_view of a device: cupy
-        v = _array.byte_view(m)
+        v = arrays.byte_view(m)
         assert v.dtype == np.uint8 and v.size == 48
         v[:4] = 255                                           # shares m's memory
         assert np.isnan(host(m)[0, 0])

@@ -84,9 +84,9 @@ def _to(place: str, call: tuple[str, Any, Any, Any]) -> tuple[str, Any, Any, Any
 
 
 def _digest(t: Any) -> str:
-    from gradcomm import _array
+    from gradcomm import arrays
 
-    return hashlib.sha256(_array.copy_to_host(t).tobytes()).hexdigest()[:16]
+    return hashlib.sha256(arrays.copy_to_host(t).tobytes()).hexdigest()[:16]
 
 
 def compressed_wrap_on_the_device(place: str = "torch-cpu") -> dict:
@@ -96,7 +96,7 @@ def compressed_wrap_on_the_device(place: str = "torch-cpu") -> dict:
     the device route in either placement). Digests of the results, routes, a few values."""
     from mpi4py import MPI
 
-    from gradcomm import _array
+    from gradcomm import arrays
     from gradcomm.integrations.mpi import _plan, wrap
 
     rank = MPI.COMM_WORLD.Get_rank()
@@ -109,13 +109,13 @@ def compressed_wrap_on_the_device(place: str = "torch-cpu") -> dict:
                 for call in _calls(MPI, rank, cupy=place == "cupy"):
                     form, send, recv, result = call if mode == "auto" else _to(place, call)
                     route = comm._gradcomm_route(*_plan(MPI, comm, send, recv, MPI.SUM))
-                    before = _digest(result), _array.copy_to_host(result)[700 * 4:].tolist()
+                    before = _digest(result), arrays.copy_to_host(result)[700 * 4:].tolist()
                     comm.Allreduce(send, recv, op=MPI.SUM)
                     got = {"route": route, "bytes": _digest(result), "reduced": _digest(
                         result.reshape(-1)[:700 if form == "count" else None])}
                     got["changed"] = got["bytes"] != before[0] or form == "empty"
                     got["tail_kept"] = form != "count" or \
-                        _array.copy_to_host(result)[700 * 4:].tolist() == before[1]
+                        arrays.copy_to_host(result)[700 * 4:].tolist() == before[1]
                     if mode == "auto":
                         got["values"] = result.double().reshape(-1)[:4].tolist()
                     out.setdefault(f"{case}/{form}", {})[mode] = got

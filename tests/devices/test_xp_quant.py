@@ -13,7 +13,7 @@ import importlib
 import numpy as np
 import pytest
 
-from gradcomm import _array
+from gradcomm import arrays
 from tests.devices._devices import KINDS, on
 from tests.compressors.test_kernels import nasty, specials
 
@@ -46,10 +46,10 @@ def same(dev, ref: np.ndarray, loose: np.ndarray | None = None) -> bool:
     x86 operand's: there NaNs only need to be NaN where the reference has them; so too
     where ``loose`` (NaN + NaN: the reference's own bits depend on the element's place in
     numpy's vector loop)."""
-    h = _array.host(dev)
+    h = arrays.host(dev)
     if h.dtype != ref.dtype or h.shape != ref.shape:
         return False
-    if _array.meta_of(dev).device != "cpu" and h.dtype.kind == "f":
+    if arrays.meta_of(dev).device != "cpu" and h.dtype.kind == "f":
         loose = np.ones(ref.shape, bool)
     if loose is not None:
         lz = np.isnan(ref) & loose
@@ -64,8 +64,8 @@ def same(dev, ref: np.ndarray, loose: np.ndarray | None = None) -> bool:
 def test_philox_words_and_dither(to, start: int, count: int) -> None:
     like = to(np.zeros(1, np.float32))
     w = X.philox_words(KEY, start, count, like)
-    assert _array.dtype_name(w) == "int64" and _array.kind(w) == _array.kind(like)
-    assert (_array.host(w) == NP.philox_words(KEY, start, count).astype(np.int64)).all()
+    assert arrays.dtype_name(w) == "int64" and arrays.kind(w) == arrays.kind(like)
+    assert (arrays.host(w) == NP.philox_words(KEY, start, count).astype(np.int64)).all()
     assert same(X.dither(KEY, start, count, like), NP.dither(KEY, start, count))
 
 

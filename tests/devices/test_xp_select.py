@@ -10,8 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gradcomm import _array
+from gradcomm import arrays
 from gradcomm.compressors._kernels import _numpy as NP
+from gradcomm.compressors._kernels._kth_smallest import _torch_kth, kth_smallest
 from gradcomm.compressors._kernels import _xp_select as XS
 from tests.devices._devices import KINDS, on, ref
 
@@ -24,7 +25,7 @@ KEY = np.array([0x01234567, 0x89ABCDEF, 7, 0xFFFFFFFF], np.uint32)
 
 def same(got, want: np.ndarray) -> bool:
     """Same dtype, shape and bytes (``got`` of any kind)."""
-    h = _array.host(got)
+    h = arrays.host(got)
     return h.dtype == want.dtype and h.shape == want.shape and h.tobytes() == want.tobytes()
 
 
@@ -70,7 +71,7 @@ def test_abs_keys_and_all_finite(kind: str, dtype: str) -> None:
         for n in (0, 1, 7, 1000):
             x = values(n, dtype, style)
             want = NP.abs_keys(x)
-            got = _array.host(XS.abs_keys(on(kind, x)))
+            got = arrays.host(XS.abs_keys(on(kind, x)))
             assert got.itemsize == want.itemsize and got.tobytes() == want.tobytes()
             assert XS.all_finite(on(kind, x)) is NP.all_finite(x)
     for v in (np.nan, np.inf, -np.inf, -0.0):
@@ -105,24 +106,24 @@ def test_topk_select_all_equal_and_all_nan(kind: str) -> None:
             want = NP.topk_select(x, k)
             got = XS.topk_select(on(kind, x), k)
             assert same(got[0], want[0]) and same(got[1], want[1])
-            assert _array.host(got[0]).tolist() == list(range(k))
+            assert arrays.host(got[0]).tolist() == list(range(k))
     x = np.full(10, np.inf, np.float32)
     x.view(np.uint32)[[2, 7]] = [0x7FC00000, 0xFF800001]
-    assert _array.host(XS.topk_select(on(kind, x), 2)[0]).tolist() == [2, 7]
+    assert arrays.host(XS.topk_select(on(kind, x), 2)[0]).tolist() == [2, 7]
     x.view(np.uint32)[7] = 0xFFC00001                   # -NaN with a larger payload
-    assert _array.host(XS.topk_select(on(kind, x), 1)[0]).tolist() == [7]
+    assert arrays.host(XS.topk_select(on(kind, x), 1)[0]).tolist() == [7]
 
 
 def test_kth_smallest_both_ends() -> None:
-    """``_array.kth_smallest`` and its torch ``topk`` route (the one CUDA takes) agree with
+    """``kth_smallest`` and its torch ``topk`` route (the one CUDA takes) agree with
     a sort at every position, ties included."""
     rng = np.random.default_rng(4)
     for n, dtype in ((1, "int16"), (50, "int16"), (51, "int32"), (4099, "int64")):
         a = rng.integers(0, 7 if n < 100 else 1 << 20, n).astype(dtype)
         want = np.sort(a)
         for j in (range(n) if n < 100 else (0, 1, n // 2 - 1, n // 2, n - 2, n - 1)):
-            for got in (_array.kth_smallest(a, j), _array.kth_smallest(torch.from_numpy(a), j),
-                        _array._torch_kth(torch.from_numpy(a), j)):
+            for got in (kth_smallest(a, j), kth_smallest(torch.from_numpy(a), j),
+                        _torch_kth(torch.from_numpy(a), j)):
                 assert int(got) == want[j], (n, j)
 
 

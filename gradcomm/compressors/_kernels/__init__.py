@@ -111,10 +111,10 @@ def for_size(n: int) -> ModuleType:
 def f32_target(out):
     """Where a float32 kernel writes a result meant for ``out`` (``out`` itself if
     float32), any array kind."""
-    from ... import _array
-    if _array.dtype_name(out) == "float32":
+    from ... import arrays
+    if arrays.dtype_name(out) == "float32":
         return out
-    return _array.empty_like_kind(out, _array.size(out), "float32")
+    return arrays.empty_like_kind(out, arrays.size(out), "float32")
 
 
 def f32_finish(tmp, out, k: ModuleType, add: bool = False):
@@ -123,18 +123,18 @@ def f32_finish(tmp, out, k: ModuleType, add: bool = False):
     target: its kernel already added). Any array kind."""
     import numpy as np
 
-    from ... import _array
+    from ... import arrays
     if tmp is not out:
-        if _array.dtype_name(out) == "float16":
+        if arrays.dtype_name(out) == "float16":
             if add:
-                h = _array.empty_like_kind(out, _array.size(out), "uint16")
+                h = arrays.empty_like_kind(out, arrays.size(out), "uint16")
                 k.f32_to_f16(tmp, h)
-                out += _array.bitcast(h, "float16")     # IEEE addition commutes
+                out += arrays.bitcast(h, "float16")     # IEEE addition commutes
             else:
-                k.f32_to_f16(tmp, _array.bitcast(out, "uint16"))
+                k.f32_to_f16(tmp, arrays.bitcast(out, "uint16"))
         elif add:
             with np.errstate(invalid="ignore", over="ignore"):
                 out += tmp
         else:
-            _array.assign(out, tmp)
+            arrays.assign(out, tmp)
     return out

@@ -1,7 +1,7 @@
 """Array-generic kernels: the numpy reference's bytes on numpy, torch and cupy arrays.
 
 One implementation of every codec kernel, written against the array-API namespace of its
-inputs (:func:`gradcomm._array.namespace`), so the codecs run where the data is: numpy,
+inputs (:func:`gradcomm.arrays.namespace`), so the codecs run where the data is: numpy,
 torch CPU/CUDA or cupy. Every function produces exactly the bytes of :mod:`._numpy` (its
 module docstring defines them): the same float32/float64 operations in the same order,
 one operation per array call (nothing can be contracted into an FMA), the 64-lane bucket
@@ -32,7 +32,7 @@ from typing import Any
 import array_api_compat
 import numpy as np
 
-from ... import _array
+from ... import arrays
 from ._numpy import _quiet
 
 NAME = "xp"
@@ -60,7 +60,7 @@ def _kernel(fn: Any) -> Any:
     on cupy, run on the device of the data (cupy creates arrays and launches kernels on
     the *current* device, and ``array_api_compat``'s cupy creation functions ignore
     ``device=``)."""
-    return _quiet(_array.device_scoped(fn))
+    return _quiet(arrays.device_scoped(fn))
 
 
 def _dev(a: Any) -> Any:
@@ -82,16 +82,16 @@ def _put(v: Any, out: Any, add: bool, nan: Any = None, nan_v: Any = None) -> Non
     if add:
         v = v + out
     if nan is not None:
-        v = _array.namespace(v).where(nan, nan_v, v)
+        v = arrays.namespace(v).where(nan, nan_v, v)
     _assign(out, v)
 
 
 def _quieted(v: Any) -> Any:
     """float32 ``v`` with the quiet bit set in its NaNs (what x86 arithmetic returns for a
     NaN operand)."""
-    xp = _array.namespace(v)
-    b = _array.bitcast(v, "int32")
-    return _array.bitcast(xp.where(xp.isnan(v), b | 0x400000, b), "float32")
+    xp = arrays.namespace(v)
+    b = arrays.bitcast(v, "int32")
+    return arrays.bitcast(xp.where(xp.isnan(v), b | 0x400000, b), "float32")
 
 
 def _const(xp: Any, value: float, dtype: Any, dev: Any) -> Any:
@@ -112,14 +112,14 @@ def _clip(xp: Any, v: Any, lo: float, hi: float) -> Any:
 
 def _store_u16(out: Any, r: Any) -> None:
     """Write int32 values 0..65535 into the uint16 array ``out`` (through int16 bits)."""
-    xp = _array.namespace(r)
-    _assign(_array.bitcast(out, "int16"), xp.astype((r ^ 0x8000) - 0x8000, xp.int16))
+    xp = arrays.namespace(r)
+    _assign(arrays.bitcast(out, "int16"), xp.astype((r ^ 0x8000) - 0x8000, xp.int16))
 
 
 def _u16(h: Any) -> Any:
     """uint16 bits as int32 values 0..65535."""
-    xp = _array.namespace(h)
-    return xp.astype(_array.bitcast(h, "int16"), xp.int32) & 0xFFFF
+    xp = arrays.namespace(h)
+    return xp.astype(arrays.bitcast(h, "int16"), xp.int32) & 0xFFFF
 
 
 def _cat(xp: Any, parts: list) -> Any:
@@ -198,7 +198,7 @@ def philox_words(key: np.ndarray, start: int, count: int, like: Any) -> Any:
         >>> philox_words(key, 5, 6, np.zeros(1)).tolist() == _numpy.philox_words(key, 5, 6).tolist()
         True
     """
-    xp, dev = _array.namespace(like), _dev(like)
+    xp, dev = arrays.namespace(like), _dev(like)
     if count <= 0:
         return xp.zeros(0, dtype=xp.int64, device=dev)
     k0, k1, c2, c3 = (int(v) for v in key)
@@ -218,7 +218,7 @@ def philox_words(key: np.ndarray, start: int, count: int, like: Any) -> Any:
 def dither(key: np.ndarray, start: int, count: int, like: Any) -> Any:
     """float32 dither ``(d + 0.5) / 2^16`` of elements ``start .. start+count-1``, as an
     array of ``like``'s kind and device."""
-    xp = _array.namespace(like)
+    xp = arrays.namespace(like)
     if count == 0:
         return xp.zeros(0, dtype=xp.float32, device=_dev(like))
     w0 = start // 2
@@ -233,8 +233,8 @@ def dither(key: np.ndarray, start: int, count: int, like: Any) -> Any:
 @_kernel
 def pack(codes: Any, bits: int, out: Any = None) -> Any:
     """``bits``-bit codes (uint8, each < 2**bits) into a little-endian bit stream."""
-    xp, dev = _array.namespace(codes), _dev(codes)
-    n = _array.size(codes)
+    xp, dev = arrays.namespace(codes), _dev(codes)
+    n = arrays.size(codes)
     nbytes = (n * bits + 7) // 8
     if bits == 8:
         res = codes
@@ -259,16 +259,16 @@ def pack(codes: Any, bits: int, out: Any = None) -> Any:
 @_kernel
 def unpack(packed: Any, n: int, bits: int) -> Any:
     """Inverse of :func:`pack`: ``n`` codes of ``bits`` bits as uint8."""
-    xp, dev = _array.namespace(packed), _dev(packed)
+    xp, dev = arrays.namespace(packed), _dev(packed)
     if bits == 8:
         return xp.asarray(packed[:n], copy=True)
     if n == 0:
         return xp.zeros(0, dtype=xp.uint8, device=dev)
     g = (n + 7) // 8
     wide = xp.int32 if bits <= 3 else xp.int64
-    p = xp.astype(packed[:min(_array.size(packed), g * bits)], wide)
-    if _array.size(p) != g * bits:
-        p = xp.concat([p, xp.zeros(g * bits - _array.size(p), dtype=wide, device=dev)])
+    p = xp.astype(packed[:min(arrays.size(packed), g * bits)], wide)
+    if arrays.size(p) != g * bits:
+        p = xp.concat([p, xp.zeros(g * bits - arrays.size(p), dtype=wide, device=dev)])
     p = xp.reshape(p, (g, bits))
     w = p[:, 0]
     for i in range(1, bits):
@@ -283,48 +283,48 @@ def unpack(packed: Any, n: int, bits: int) -> Any:
 def _to_odd_f32(x: Any) -> Any:
     """float64 -> float32 rounded to odd (inexact results get an odd last bit): a float16
     rounding of it equals the direct float64 -> float16 rounding (no double rounding)."""
-    xp = _array.namespace(x)
+    xp = arrays.namespace(x)
     f = xp.astype(x, xp.float32)
     back = xp.astype(f, xp.float64)
-    bits = _array.bitcast(f, "int32")
+    bits = arrays.bitcast(f, "int32")
     fix = (back != x) & xp.isfinite(back) & ((bits & 1) == 0)
     # the other neighbour of x: one step away from zero when |x| > |f|, else towards it
     step = xp.where(xp.abs(x) > xp.abs(back), _const(xp, 1, xp.int32, _dev(x)),
                     _const(xp, -1, xp.int32, _dev(x)))
-    return _array.bitcast(xp.where(fix, bits + step, bits), "float32")
+    return arrays.bitcast(xp.where(fix, bits + step, bits), "float32")
 
 
 @_kernel
 def f32_to_f16(x: Any, out: Any) -> None:
     """Round float32/64 to float16 bits in ``out`` (uint16; IEEE, to nearest even; overflow
     gives +-inf; NaN becomes the canonical quiet NaN ``0x7E00`` with its sign)."""
-    xp, dev = _array.namespace(x), _dev(x)
-    x16 = xp.astype(_to_odd_f32(x) if _array.dtype_name(x) == "float64" else x, xp.float16)
+    xp, dev = arrays.namespace(x), _dev(x)
+    x16 = xp.astype(_to_odd_f32(x) if arrays.dtype_name(x) == "float64" else x, xp.float16)
     nan = xp.where(xp.signbit(x), _const(xp, -0x200, xp.int16, dev),    # 0xFE00
                    _const(xp, 0x7E00, xp.int16, dev))
-    _assign(_array.bitcast(out, "int16"), xp.where(xp.isnan(x), nan,
-                                                   _array.bitcast(x16, "int16")))
+    _assign(arrays.bitcast(out, "int16"), xp.where(xp.isnan(x), nan,
+                                                   arrays.bitcast(x16, "int16")))
 
 
 @_kernel
 def f16_to_f32(h: Any, out: Any, add: bool = False) -> None:
     """Widen float16 bits (uint16) to float32 (exact; NaN becomes the canonical quiet NaN
     with its sign); ``add``: ``out = widen(h) + out``."""
-    xp, dev = _array.namespace(h), _dev(h)
-    w = xp.astype(_array.bitcast(h, "float16"), xp.float32)
+    xp, dev = arrays.namespace(h), _dev(h)
+    w = xp.astype(arrays.bitcast(h, "float16"), xp.float32)
     u = _u16(h)
     nan = ((u & 0x7C00) == 0x7C00) & ((u & 0x3FF) != 0)
     canon = xp.where(u >= 0x8000, _const(xp, -0x400000, xp.int32, dev),   # 0xFFC00000
                      _const(xp, 0x7FC00000, xp.int32, dev))
-    _put(w, out, add, nan, _array.bitcast(canon, "float32"))
+    _put(w, out, add, nan, arrays.bitcast(canon, "float32"))
 
 
 @_kernel
 def f32_to_bf16(x: Any, out: Any) -> None:
     """Round float32 to bfloat16 bits in ``out`` (uint16; to nearest even; NaN stays a
     quiet NaN)."""
-    xp = _array.namespace(x)
-    b = _array.bitcast(x, "int32")
+    xp = arrays.namespace(x)
+    b = arrays.bitcast(x, "int32")
     hi, lo = (b >> 16) & 0xFFFF, b & 0xFFFF
     r = (hi + ((lo + (0x7FFF + (hi & 1))) >> 16)) & 0xFFFF    # the reference's uint32 sum
     _store_u16(out, xp.where(x != x, hi | 0x40, r))
@@ -333,8 +333,8 @@ def f32_to_bf16(x: Any, out: Any) -> None:
 @_kernel
 def bf16_to_f32(h: Any, out: Any, add: bool = False) -> None:
     """Widen bfloat16 bits (uint16) to float32 (exact); ``add``: ``out = widen(h) + out``."""
-    xp = _array.namespace(h)
-    wide = _array.bitcast(xp.astype(_array.bitcast(h, "int16"), xp.int32) * 65536,
+    xp = arrays.namespace(h)
+    wide = arrays.bitcast(xp.astype(arrays.bitcast(h, "int16"), xp.int32) * 65536,
                           "float32")                                  # = bits << 16
     if add:
         _put(wide, out, add, xp.isnan(wide), _quieted(wide))
@@ -349,17 +349,17 @@ def bf16_to_f32(h: Any, out: Any, add: bool = False) -> None:
 
 def _minmax_encode(x: Any, start: int, bs: int, bits: int, stochastic: bool,
                    key: np.ndarray, lo_out: Any, unit_out: Any, packed: Any) -> None:
-    n, L = _array.size(x), (1 << bits) - 1
+    n, L = arrays.size(x), (1 << bits) - 1
     if n == 0:
         return
-    xp, dev = _array.namespace(x), _dev(x)
+    xp, dev = arrays.namespace(x), _dev(x)
     f32, f64 = xp.float32, xp.float64
-    k = _rows(xp, _key(_array.bitcast(x, "int32")), n, bs)
+    k = _rows(xp, _key(arrays.bitcast(x, "int32")), n, bs)
     lo_k = _cat(xp, [xp.min(p, axis=1) for _, _, p in k])
     hi_k = _cat(xp, [xp.max(p, axis=1) for _, _, p in k])
     bad = (hi_k >= KEY_PINF) | (lo_k <= KEY_NINF)
-    lo = _array.bitcast(_key(lo_k), "float32")              # the key is an involution
-    hi = _array.bitcast(_key(hi_k), "float32")
+    lo = arrays.bitcast(_key(lo_k), "float32")              # the key is an involution
+    hi = arrays.bitcast(_key(hi_k), "float32")
     rng = xp.astype(hi, f64) - xp.astype(lo, f64)
     ok = ~bad & (rng > 0)
     one, lev = _const(xp, 1.0, f64, dev), _const(xp, L, f64, dev)
@@ -382,7 +382,7 @@ def _minmax_encode(x: Any, start: int, bs: int, bits: int, stochastic: bool,
 
 def _minmax_decode(packed: Any, n: int, bs: int, bits: int, lo: Any, unit: Any, out: Any,
                    add: bool = False) -> int:
-    xp = _array.namespace(packed)
+    xp = arrays.namespace(packed)
     c = xp.astype(unpack(packed, n, bits), xp.float32)
     nan, lo_q = xp.isnan(lo), _quieted(lo)     # x86: lo + NaN keeps lo's NaN, quieted
     for b, e, p in _rows(xp, c, n, bs):
@@ -399,8 +399,8 @@ def _minmax_decode(packed: Any, n: int, bs: int, bits: int, lo: Any, unit: Any, 
 
 def _fixed_encode(x: Any, start: int, bits: int, scale: float, stochastic: bool,
                   key: np.ndarray, packed: Any) -> None:
-    n, L = _array.size(x), (1 << (bits - 1)) - 1
-    xp, dev = _array.namespace(x), _dev(x)
+    n, L = arrays.size(x), (1 << (bits - 1)) - 1
+    xp, dev = arrays.namespace(x), _dev(x)
     mul = float(np.float32(min(L / scale, FLT_MAX)))       # float32 values: exact scalars
     t = x * mul
     u = dither(key, start, n, x) if stochastic else 0.5
@@ -412,7 +412,7 @@ def _fixed_encode(x: Any, start: int, bits: int, scale: float, stochastic: bool,
 def _fixed_decode(packed: Any, n: int, bits: int, scale: float, out: Any,
                   add: bool = False) -> int:
     L = (1 << (bits - 1)) - 1
-    xp = _array.namespace(packed)
+    xp = arrays.namespace(packed)
     c = unpack(packed, n, bits)
     step = float(np.float32(scale / L))
     v = (xp.astype(c, xp.float32) - float(L)) * step
@@ -424,10 +424,10 @@ def _fixed_decode(packed: Any, n: int, bits: int, scale: float, out: Any,
 
 def _signlevel_encode(x: Any, start: int, bs: int, s: int, bits: int, l2: bool,
                       key: np.ndarray, scale_out: Any, packed: Any) -> None:
-    n = _array.size(x)
+    n = arrays.size(x)
     if n == 0:
         return
-    xp, dev = _array.namespace(x), _dev(x)
+    xp, dev = arrays.namespace(x), _dev(x)
     f32, f64 = xp.float32, xp.float64
     if l2:
         x64 = xp.astype(x, f64)
@@ -435,10 +435,10 @@ def _signlevel_encode(x: Any, start: int, bs: int, s: int, bits: int, l2: bool,
         bad = ~xp.isfinite(total)
         scale = xp.astype(xp.sqrt(xp.where(bad, _const(xp, 0.0, f64, dev), total)), f32)
     else:
-        a = _rows(xp, _array.bitcast(x, "int32") & 0x7FFFFFFF, n, bs)
+        a = _rows(xp, arrays.bitcast(x, "int32") & 0x7FFFFFFF, n, bs)
         m = _cat(xp, [xp.max(p, axis=1) for _, _, p in a])
         bad = m >= KEY_PINF
-        scale = _array.bitcast(xp.where(bad, _const(xp, 0, xp.int32, dev), m), "float32")
+        scale = arrays.bitcast(xp.where(bad, _const(xp, 0, xp.int32, dev), m), "float32")
     ok = ~bad & (scale > 0)
     one = _const(xp, 1.0, f64, dev)
     mul = xp.divide(_const(xp, s, f64, dev), xp.where(ok, xp.astype(scale, f64), one))
@@ -462,7 +462,7 @@ def _signlevel_encode(x: Any, start: int, bs: int, s: int, bits: int, l2: bool,
 def _signlevel_decode(packed: Any, n: int, bs: int, s: int, bits: int, scale: Any,
                       out: Any, add: bool = False) -> int:
     """Returns the number of codes whose level exceeds ``s`` (a corrupt payload)."""
-    xp, dev = _array.namespace(packed), _dev(packed)
+    xp, dev = arrays.namespace(packed), _dev(packed)
     c = xp.astype(unpack(packed, n, bits), xp.int32)
     level = c & ((1 << (bits - 1)) - 1)
     unit = xp.astype(xp.divide(xp.astype(scale, xp.float64), _const(xp, s, xp.float64, dev)),
@@ -485,10 +485,10 @@ def _signlevel_decode(packed: Any, n: int, bs: int, s: int, bits: int, scale: An
 
 def _onebit_encode(x: Any, start: int, bs: int, pos_out: Any, neg_out: Any,
                    packed: Any) -> None:
-    n = _array.size(x)
+    n = arrays.size(x)
     if n == 0:
         return
-    xp, dev = _array.namespace(x), _dev(x)
+    xp, dev = arrays.namespace(x), _dev(x)
     f32, f64 = xp.float32, xp.float64
     x64 = xp.astype(x, f64)
     zero64 = _const(xp, 0.0, f64, dev)
@@ -513,7 +513,7 @@ def _onebit_encode(x: Any, start: int, bs: int, pos_out: Any, neg_out: Any,
 
 def _onebit_decode(packed: Any, n: int, bs: int, pos: Any, neg: Any, out: Any,
                    add: bool = False) -> int:
-    xp = _array.namespace(packed)
+    xp = arrays.namespace(packed)
     bit = unpack(packed, n, 1) != 0
     if add:                                  # x86: v + out keeps v's NaN, quieted
         pos, neg = _quieted(pos), _quieted(neg)
@@ -531,7 +531,7 @@ def _onebit_decode(packed: Any, n: int, bs: int, pos: Any, neg: Any, out: Any,
 
 @_kernel
 def minmax_encode(x, bs, bits, stochastic, key, lo_out, unit_out, packed) -> None:
-    for s, m in _chunks(x, _array.size(x), bs):
+    for s, m in _chunks(x, arrays.size(x), bs):
         b, nb, p = s // bs, -(-m // bs), s * bits // 8
         _minmax_encode(x[s:s + m], s, bs, bits, stochastic, key, lo_out[b:b + nb],
                        unit_out[b:b + nb], packed[p:p + (m * bits + 7) // 8])
@@ -548,7 +548,7 @@ def minmax_decode(packed, n, bs, bits, lo, unit, out, add=False) -> int:
 
 @_kernel
 def fixed_encode(x, bits, scale, stochastic, key, packed) -> None:
-    for s, m in _chunks(x, _array.size(x), 8):
+    for s, m in _chunks(x, arrays.size(x), 8):
         p = s * bits // 8
         _fixed_encode(x[s:s + m], s, bits, scale, stochastic, key,
                       packed[p:p + (m * bits + 7) // 8])
@@ -564,7 +564,7 @@ def fixed_decode(packed, n, bits, scale, out, add=False) -> int:
 
 @_kernel
 def signlevel_encode(x, bs, s_, bits, l2, key, scale_out, packed) -> None:
-    for s, m in _chunks(x, _array.size(x), bs):
+    for s, m in _chunks(x, arrays.size(x), bs):
         b, nb, p = s // bs, -(-m // bs), s * bits // 8
         _signlevel_encode(x[s:s + m], s, bs, s_, bits, l2, key, scale_out[b:b + nb],
                           packed[p:p + (m * bits + 7) // 8])
@@ -582,7 +582,7 @@ def signlevel_decode(packed, n, bs, s_, bits, scale, out, add=False) -> int:
 
 @_kernel
 def onebit_encode(x, bs, pos_out, neg_out, packed) -> None:
-    for s, m in _chunks(x, _array.size(x), bs):
+    for s, m in _chunks(x, arrays.size(x), bs):
         b, nb = s // bs, -(-m // bs)
         _onebit_encode(x[s:s + m], s, bs, pos_out[b:b + nb], neg_out[b:b + nb],
                        packed[s // 8:s // 8 + (m + 7) // 8])

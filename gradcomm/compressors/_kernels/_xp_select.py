@@ -3,8 +3,8 @@
 The array-generic twins of :mod:`._numpy`'s ``abs_keys``, ``topk_select``, ``scatter``,
 ``randomk_indices`` and ``all_finite``: the same indices, values and return codes, byte
 for byte, on any array kind and device (re-exported by :mod:`._xp`). Written against the
-array-API namespace of the input (:func:`gradcomm._array.namespace`); what it lacks comes
-from :mod:`gradcomm._array`. Every selection is deterministic (no atomics, no unstable
+array-API namespace of the input (:func:`gradcomm.arrays.namespace`); what it lacks comes
+from :mod:`gradcomm.arrays`. Every selection is deterministic (no atomics, no unstable
 sort), so a GPU gives the bytes the CPU gives:
 
 - **top-k**: integer keys of ``|x|`` (the float bits without the sign: NaN above +inf),
@@ -29,8 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from ... import _array
+from ... import arrays
 from ...errors import ConfigError
+from ._kth_smallest import kth_smallest
 
 _M16 = 0xFFFF
 _SIGNLESS = {2: ("int16", 0x7FFF), 4: ("int32", 0x7FFFFFFF), 8: ("int64", (1 << 63) - 1)}
@@ -58,7 +59,7 @@ def _dev(x: Any) -> Any:
     return array_api_compat.device(x)
 
 
-@_array.device_scoped
+@arrays.device_scoped
 def abs_keys(x: Any) -> Any:
     """Integer keys ordered like ``|x|``, NaN above +inf (float16/32/64): the float bits
     with the sign cleared, as the signed integer of x's item size (non-negative, so the
@@ -70,14 +71,14 @@ def abs_keys(x: Any) -> Any:
         [1065353216, 2139095040, 2143289344]
     """
     name, mask = _SIGNLESS[_itemsize(x)]
-    return _array.bitcast(x, name) & mask
+    return arrays.bitcast(x, name) & mask
 
 
 def _itemsize(x: Any) -> int:
-    return {"float16": 2, "float32": 4, "float64": 8}[_array.dtype_name(x)]
+    return {"float16": 2, "float32": 4, "float64": 8}[arrays.dtype_name(x)]
 
 
-@_array.device_scoped
+@arrays.device_scoped
 def topk_select(x: Any, k: int) -> tuple[Any, Any]:
     """The ``k`` largest ``|x|`` (NaN largest; ties to the lower index), index order.
 
@@ -89,17 +90,17 @@ def topk_select(x: Any, k: int) -> tuple[Any, Any]:
         >>> idx.tolist(), vals.tolist()
         ([0, 1], [2.0, -2.0])
     """
-    xp = _array.namespace(x)
-    n = _array.size(x)
+    xp = arrays.namespace(x)
+    n = arrays.size(x)
     k = min(k, n)
     if k == n:
         return xp.arange(n, dtype=xp.int64, device=_dev(x)), xp.asarray(x, copy=True)
     if k == 0:
         return xp.zeros(0, dtype=xp.int64, device=_dev(x)), xp.asarray(x[:0], copy=True)
     keys = abs_keys(x)
-    t = _array.kth_smallest(keys, n - k)            # the k-th largest key
+    t = kth_smallest(keys, n - k)            # the k-th largest key
     cand = xp.nonzero(keys >= t)[0]                 # ascending; >= k of them
-    extra = _array.size(cand) - k
+    extra = arrays.size(cand) - k
     if extra:                                       # ties at t: keep the first ones
         eq = xp.take(keys, cand) == t
         seen = xp.cumulative_sum(xp.astype(eq, xp.int64))
@@ -109,7 +110,7 @@ def topk_select(x: Any, k: int) -> tuple[Any, Any]:
     return idx, xp.take(x, idx)
 
 
-@_array.device_scoped
+@arrays.device_scoped
 def scatter(out: Any, idx: Any, vals: Any, add: bool) -> int:
     """``out[idx] = vals`` (or ``+=``) after checking 0 <= idx < n, strictly increasing.
 
@@ -129,11 +130,11 @@ def scatter(out: Any, idx: Any, vals: Any, add: bool) -> int:
         >>> scatter(out, np.array([3, 1]), np.array([5, 6], np.float32), True), out.tolist()
         (1, [0.0, 5.0, 0.0, 6.0])
     """
-    m = _array.size(idx)
+    m = arrays.size(idx)
     if m == 0:
         return 0
-    xp = _array.namespace(out)
-    ok = (idx[0] >= 0) & (idx[m - 1] < _array.size(out))
+    xp = arrays.namespace(out)
+    ok = (idx[0] >= 0) & (idx[m - 1] < arrays.size(out))
     if m > 1:
         ok = ok & xp.all(idx[1:] > idx[:-1])
     if not bool(ok):
@@ -146,7 +147,7 @@ def scatter(out: Any, idx: Any, vals: Any, add: bool) -> int:
     with np.errstate(all="ignore"):                 # numpy: inf - inf and the like
         r = a + vals
     nan = xp.isnan(r)
-    if not _array.is_host(r) or bool(xp.any(nan)):
+    if not arrays.is_host(r) or bool(xp.any(nan)):
         r = _host_nans(a, vals, r, nan)
     out[i] = r
     return 0
@@ -157,16 +158,16 @@ def _host_nans(a: Any, b: Any, r: Any, nan: Any) -> Any:
     CPU) gives them: a NaN ``a`` quietened, else a NaN ``b`` quietened, else the host's
     default NaN (inf - inf). GPUs return a canonical NaN and torch's CPU kernel may take
     the second operand's payload: without this, NaN bits would differ."""
-    xp = _array.namespace(r)
+    xp = arrays.namespace(r)
     name, _ = _SIGNLESS[_itemsize(r)]
     quiet, default = _NAN_BITS[name]
-    ai, bi = _array.bitcast(a, name), _array.bitcast(b, name)
+    ai, bi = arrays.bitcast(a, name), arrays.bitcast(b, name)
     fix = xp.where(xp.isnan(a), ai | quiet,
                    xp.where(xp.isnan(b), bi | quiet, xp.full_like(ai, default)))
-    return _array.bitcast(xp.where(nan, fix, _array.bitcast(r, name)), _array.dtype_name(r))
+    return arrays.bitcast(xp.where(nan, fix, arrays.bitcast(r, name)), arrays.dtype_name(r))
 
 
-@_array.device_scoped
+@arrays.device_scoped
 def randomk_indices(key: np.ndarray, n: int, k: int, like: Any) -> Any:
     """The ``k`` of ``range(n)`` that random-k keeps, ascending (int64, of ``like``'s kind
     and device): the reference's draws (see :func:`._numpy.randomk_indices`), the first
@@ -182,7 +183,7 @@ def randomk_indices(key: np.ndarray, n: int, k: int, like: Any) -> Any:
     """
     from ._xp import philox_words            # _xp re-exports this module: import late
 
-    xp = _array.namespace(like)
+    xp = arrays.namespace(like)
     dev = _dev(like)
     k = min(k, n)
     if k == n:
@@ -195,17 +196,17 @@ def randomk_indices(key: np.ndarray, n: int, k: int, like: Any) -> Any:
     draws = xp.zeros(0, dtype=xp.int64, device=dev)
     batch = max(64, 2 * m)
     while True:
-        d = _array.size(draws)
+        d = arrays.size(draws)
         words = philox_words(key, 2 * d, 2 * batch, like)
         draws = xp.concat([draws, _draw(words[0::2], words[1::2], n)])
         order = xp.argsort(draws, stable=True)       # equal draws keep their draw order
         s = xp.take(draws, order)
         first = xp.concat([xp.ones(1, dtype=xp.bool, device=dev), s[1:] != s[:-1]])
         pos = xp.take(order, xp.nonzero(first)[0])   # where each value is first drawn
-        if _array.size(pos) >= m:
+        if arrays.size(pos) >= m:
             chosen = xp.take(draws, xp.sort(pos)[:m])
             break
-        batch = _array.size(draws)
+        batch = arrays.size(draws)
     if m == k:
         return xp.sort(chosen)
     keep = xp.ones(n, dtype=xp.bool, device=dev)
@@ -239,7 +240,7 @@ def _draw(lo: Any, hi: Any, n: int) -> Any:
     return (r + lo) % n
 
 
-@_array.device_scoped
+@arrays.device_scoped
 def all_finite(x: Any) -> bool:
     """Whether no element of ``x`` is NaN or +-inf (one synchronisation on a device).
 
@@ -248,5 +249,5 @@ def all_finite(x: Any) -> bool:
         >>> all_finite(np.array([1.0, np.inf])), all_finite(np.zeros(0))
         (False, True)
     """
-    xp = _array.namespace(x)
+    xp = arrays.namespace(x)
     return bool(xp.all(xp.isfinite(x)))

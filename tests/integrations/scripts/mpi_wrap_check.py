@@ -208,7 +208,7 @@ def main() -> int:
 def staged_checks(comm: Any, rank: int, p: int, with_torch: bool) -> dict[str, Any]:
     """The staged route (device arrays on an MPI that is not CUDA-aware: copy to host,
     reduce, copy back) run on host arrays, which take the same code and the same
-    ``_array`` copy functions: results must equal the direct route's, bitwise."""
+    ``arrays`` copy functions: results must equal the direct route's, bitwise."""
     from gradcomm.integrations.mpi import wrap
 
     t = comm.gradcomm_transport

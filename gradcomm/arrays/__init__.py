@@ -23,8 +23,8 @@ from typing import Any, ContextManager
 
 import numpy as np
 
-from ._dtypes import STORAGE
-from .errors import ConfigError
+from .._dtypes import STORAGE
+from ..errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -833,47 +833,6 @@ def from_flat_native(buf: Any, meta: Meta) -> Any:
     if kind(buf) == "torch" and meta.dtype == "bfloat16":
         return buf.view(_torch_dtype("bfloat16")).reshape(meta.shape)
     return buf.reshape(meta.shape)
-
-
-def kth_smallest(a: Any, j: int) -> Any:
-    """The element of flat ``a`` that a sort would put at position ``j`` (0-based), as a
-    0-d array of ``a``'s kind and device (no host sync): a selection, not a full sort.
-
-    Example:
-        >>> import numpy as np
-        >>> int(kth_smallest(np.array([5, 1, 4, 2], np.int32), 1))
-        2
-    """
-    k = kind(a)
-    if k == "torch":
-        if a.device.type == "cpu":          # numpy's introselect is ~1.5x torch's on CPU
-            import torch
-
-            return torch.from_numpy(np.partition(a.detach().numpy(), j)[j:j + 1]).reshape(())
-        return _torch_kth(a, j)
-    if k == "cupy":
-        import cupy
-
-        with a.device:                      # a copy, sorted in full by older cupy
-            return cupy.partition(a, j)[j]
-    return np.partition(a, j)[j]
-
-
-def _torch_kth(a: Any, j: int) -> Any:
-    """:func:`kth_smallest` of a torch tensor by ``topk`` (on CUDA a multi-block radix
-    select for a large 1-D tensor; ``kthvalue`` runs one thread block per row there), from
-    whichever end is nearer.
-
-    Example:
-        >>> import torch
-        >>> a = torch.tensor([5, 1, 4, 2, 2], dtype=torch.int16)
-        >>> [int(_torch_kth(a, j)) for j in range(5)]
-        [1, 2, 2, 4, 5]
-    """
-    n = int(a.numel())
-    if n - j <= j + 1:
-        return a.topk(n - j, largest=True, sorted=False).values.min()
-    return a.topk(j + 1, largest=False, sorted=False).values.max()
 
 
 def itemsize(a: Any) -> int:

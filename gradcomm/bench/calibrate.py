@@ -111,7 +111,7 @@ def _calibrate(t: Transport, max_bytes: int, iters: int, codecs: bool,
     from .. import allreduce
     from ..collectives import algorithm
     from ..collectives._check import agree
-    from ..collectives._reduce import Reducer
+    from ..ops import Reducer
 
     def say(what: str) -> None:
         if progress is not None and t.rank == 0:

@@ -168,7 +168,8 @@ def make_plan(args: argparse.Namespace, baseline: str | None) -> Plan:
     """The variants and sizes to measure; ConfigError for unknown names."""
     from .. import compressors
     from .._dtypes import STORAGE
-    from ..collectives import DENSE, Reducer
+    from ..collectives import DENSE
+    from ..ops import Reducer
 
     if args.dtype not in STORAGE:
         raise ConfigError(f"unknown dtype {args.dtype!r}; known: {', '.join(STORAGE)}")

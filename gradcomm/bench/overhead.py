@@ -55,7 +55,7 @@ def steps(t: Transport, size: int, algorithm: str = "recursive_doubling",
     from ..collectives import algorithm as get_algorithm
     from ..collectives import dense_allreduce
     from ..collectives._check import agree
-    from ..collectives._reduce import Reducer
+    from ..ops import Reducer
 
     n = max(size // 4, 1)
     x = np.ones(n, np.float32)

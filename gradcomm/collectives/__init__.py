@@ -21,7 +21,7 @@ from ..comm.base import Transport
 from ..errors import ConfigError, GradcommError
 from . import auto
 from ._check import agree
-from ._reduce import _REDUCERS, OPS, Reducer, reducer
+from ..ops import OPS, Reducer, reducer
 
 #: dense allreduce algorithms by name (module under gradcomm.collectives)
 DENSE = ("ring", "tree", "recursive_doubling", "rabenseifner", "native")
@@ -62,13 +62,12 @@ def dense_allreduce(t: Transport, buf: Any, op: str, dtype: str, algorithm_name:
 
     Invalid names raise :class:`~gradcomm.errors.ConfigError` on every rank.
     """
-    red = _REDUCERS.get((op, dtype))
+    red: Reducer | None = None
     problem: GradcommError | None = None
-    if red is None:
-        try:
-            red = reducer(op, dtype)
-        except GradcommError as exc:
-            problem = exc
+    try:
+        red = reducer(op, dtype)
+    except GradcommError as exc:
+        problem = exc
     if problem is None and algorithm_name not in _FUNCS and algorithm_name != "auto":
         try:
             algorithm(algorithm_name)

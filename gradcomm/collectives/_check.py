@@ -31,7 +31,7 @@ from .._dtypes import CODES, NAMES
 from ..comm.base import TAG_CHECK, Transport
 from ..errors import MismatchError
 from . import recursive_doubling
-from ._reduce import Reducer
+from ..ops import Reducer
 
 _MAX = Reducer("max", "int64")
 #: fields in the native form of the check (the collective's name counts as one)

@@ -31,7 +31,7 @@ and each algorithm's chunking depends on the element count only.
 
 Example:
     >>> import numpy as np
-    >>> from gradcomm.collectives._reduce import Reducer
+    >>> from gradcomm.ops import Reducer
     >>> w = DenseWire(Reducer("sum", "float32"))
     >>> seg = np.ones(2, np.float32); w.reduce(np.ones(2, np.float32), seg, True); seg
     array([2., 2.], dtype=float32)
@@ -43,7 +43,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ._reduce import Reducer
+from ..ops import Reducer
 
 
 class Wire(Protocol):

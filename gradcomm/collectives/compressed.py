@@ -115,7 +115,7 @@ from ..error_feedback import HOP_SEP, ErrorFeedback, contractive
 from ..errors import ConfigError, GradcommError, PayloadError, UnsupportedError
 from . import compressed_ring
 from ._check import agree_args
-from ._reduce import Reducer
+from ..ops import Reducer
 
 #: algorithms that run per hop on a CompressedWire
 HOP_ALGORITHMS = ("ring", "tree", "recursive_doubling", "rabenseifner")

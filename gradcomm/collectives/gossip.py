@@ -44,7 +44,7 @@ from .._dtypes import FLOATS, bf16_to_f32, f32_to_bf16
 from ..comm import get_transport
 from ..comm.base import TAG_GOSSIP, Transport
 from ..errors import ConfigError, GradcommError, PayloadError, TransportError, UnsupportedError
-from . import topologies
+from . import dense_allreduce, topologies
 from ._check import agree
 from .topologies import Plan, Topology
 
@@ -516,15 +516,13 @@ def consensus_distance(x: Any, comm: Any = None) -> float:
         >>> run_ranks(2, lambda t: consensus_distance(np.array([float(t.rank), 0.0]), t))
         [0.25, 0.25]
     """
-    from .._allreduce import allreduce
-
     t = get_transport(comm)
     buf, meta = arrays.to_flat(x)
     _check_dtype(meta.dtype)
     v = _widen(buf, meta.dtype, np.empty(buf.size, np.float32)).astype(np.float64)
-    mean = allreduce(v, t, op="mean", algorithm="recursive_doubling")
+    mean = dense_allreduce(t, v.copy(), "mean", "float64", "recursive_doubling")
     local = np.array([float(np.sum((v - mean) ** 2))])
-    return float(allreduce(local, t, op="sum", algorithm="recursive_doubling")[0]) / t.size
+    return float(dense_allreduce(t, local, "sum", "float64", "recursive_doubling")[0]) / t.size
 
 
 __all__ = ["Gossip", "consensus_distance", "gossip_average", "mix"]

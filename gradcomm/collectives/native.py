@@ -8,7 +8,7 @@ A dtype the library cannot reduce correctly (16-bit floats on MPI) raises
 Example:
     >>> import numpy as np
     >>> from gradcomm.comm import run_ranks
-    >>> from gradcomm.collectives._reduce import Reducer
+    >>> from gradcomm.ops import Reducer
     >>> def fn(t):
     ...     buf = np.ones(2); allreduce(t, buf, Reducer("sum", "float64")); return buf.tolist()
     >>> run_ranks(2, fn)[1]
@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..comm.base import TAG_DATA, Transport
-from ._reduce import Reducer
+from ..ops import Reducer
 
 
 def allreduce(t: Transport, buf: Any, red: Reducer, *, tag: int = TAG_DATA) -> None:

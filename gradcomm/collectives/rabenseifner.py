@@ -19,7 +19,7 @@ windows send nothing). Ring's bandwidth in log2(p) rounds: large messages, power
 Example:
     >>> import numpy as np
     >>> from gradcomm.comm import run_ranks
-    >>> from gradcomm.collectives._reduce import Reducer
+    >>> from gradcomm.ops import Reducer
     >>> def fn(t):
     ...     buf = np.full(6, t.rank + 1, np.int32); allreduce(t, buf, Reducer("prod", "int32"))
     ...     return buf.tolist()
@@ -34,7 +34,7 @@ from typing import Any
 from .. import arrays
 from ..comm.base import TAG_DATA, Transport
 from ._fold import Fold
-from ._reduce import Reducer
+from ..ops import Reducer
 from ._segments import bounds
 from ._wire import DenseWire, Wire
 

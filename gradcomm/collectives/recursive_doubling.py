@@ -14,7 +14,7 @@ Per rank, for power-of-two p: log2(p) messages of n bytes sent.
 Example:
     >>> import numpy as np
     >>> from gradcomm.comm import run_ranks
-    >>> from gradcomm.collectives._reduce import Reducer
+    >>> from gradcomm.ops import Reducer
     >>> def fn(t):
     ...     buf = np.full(3, t.rank, np.int64); allreduce(t, buf, Reducer("sum", "int64"))
     ...     return buf.tolist()
@@ -29,7 +29,7 @@ from typing import Any
 from .. import arrays
 from ..comm.base import TAG_DATA, Transport
 from ._fold import Fold
-from ._reduce import Reducer
+from ..ops import Reducer
 from ._wire import DenseWire, Wire
 
 

@@ -19,7 +19,7 @@ is the choice for large messages; 2(p-1) latency terms make it slow for small on
 Example:
     >>> import numpy as np
     >>> from gradcomm.comm import run_ranks
-    >>> from gradcomm.collectives._reduce import Reducer
+    >>> from gradcomm.ops import Reducer
     >>> def fn(t):
     ...     buf = np.arange(5.0) * (t.rank + 1); allreduce(t, buf, Reducer("sum", "float64"))
     ...     return buf.tolist()
@@ -33,7 +33,7 @@ from typing import Any
 
 from .. import arrays
 from ..comm.base import TAG_DATA, Request, Transport
-from ._reduce import Reducer
+from ..ops import Reducer
 from ._segments import ring_schedule
 from ._wire import DenseWire, Wire
 

@@ -21,7 +21,7 @@ log2(p)·n bytes make ring or Rabenseifner the better choice for large messages 
 Example:
     >>> import numpy as np
     >>> from gradcomm.comm import run_ranks
-    >>> from gradcomm.collectives._reduce import Reducer
+    >>> from gradcomm.ops import Reducer
     >>> def fn(t):
     ...     buf = np.array([t.rank, -t.rank]); allreduce(t, buf, Reducer("max", "int64"))
     ...     return buf.tolist()
@@ -35,7 +35,7 @@ from typing import Any
 
 from .. import arrays
 from ..comm.base import TAG_DATA, Request, Transport
-from ._reduce import Reducer
+from ..ops import Reducer
 from ._segments import chunks
 from ._wire import DenseWire, Wire
 

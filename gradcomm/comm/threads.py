@@ -170,7 +170,7 @@ class ThreadTransport(Transport):
 
     def native_allreduce(self, buf: Any, op: str, dtype: str) -> None:
         """Shared-memory allreduce: every rank reduces all inputs in rank order."""
-        from ..collectives._reduce import Reducer
+        from ..ops import Reducer
 
         parts = self._fabric.allgather_objects(self.rank, buf.copy(), self.timeout)
         red = Reducer(op, dtype)

@@ -20,7 +20,7 @@ import pytest
 import gradcomm
 from gradcomm.collectives import algorithm, auto, dense_allreduce
 from gradcomm.collectives._check import NATIVE_FIELDS, agree
-from gradcomm.collectives._reduce import Reducer
+from gradcomm.ops import Reducer
 from gradcomm.collectives.costmodel import CHUNK_BYTES, Profile
 from gradcomm.comm import run_ranks
 from gradcomm.errors import ConfigError, DeadlineError, MismatchError, TransportError

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from gradcomm.collectives import algorithm, dense_allreduce
-from gradcomm.collectives._reduce import Reducer
+from gradcomm.ops import Reducer
 from gradcomm.comm import run_ranks
 from tests._cases import expected, make_input
 

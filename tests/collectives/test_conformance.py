@@ -19,7 +19,7 @@ import torch
 
 import gradcomm
 from gradcomm.collectives import DENSE, algorithm, dense_allreduce
-from gradcomm.collectives._reduce import Reducer
+from gradcomm.ops import Reducer
 from gradcomm.collectives._wire import DenseWire
 from gradcomm.comm import run_ranks
 from gradcomm.errors import ConfigError

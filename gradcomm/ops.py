@@ -1,5 +1,7 @@
-"""Elementwise reductions on flat buffers, for every supported dtype.
+"""The reduction operators: how two flat buffers combine under sum, mean, max, min, prod.
 
+On the lowest floor, beside :mod:`gradcomm.errors` and :mod:`gradcomm._dtypes`, so that the
+transports (the in-process native allreduce) and the collectives share one definition.
 ``Reducer.combine(a, b, out)`` computes ``out = a (op) b``; collectives always pass the
 contribution of the lower ranks as ``a`` so that every rank evaluates the same expression
 and ends with the same bytes. float16 is reduced by numpy; bfloat16 (stored as uint16)
@@ -18,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from .._dtypes import FLOATS, bf16_to_f32, f32_to_bf16, storage
-from ..errors import ConfigError
+from ._dtypes import FLOATS, bf16_to_f32, f32_to_bf16, storage
+from .errors import ConfigError
 
 OPS = ("sum", "mean", "max", "min", "prod")
 _UFUNC = {"sum": np.add, "mean": np.add, "max": np.maximum, "min": np.minimum,

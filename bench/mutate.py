@@ -131,8 +131,8 @@ MUTANTS: tuple[Mutant, ...] = (
     # -- error feedback that forgets its residual
     Mutant("ef-forgets", "ErrorFeedback.residual hands out fresh zeros every call (the "
            "residual written last step is never added back)",
-           (Patch("gradcomm/error_feedback.py", "        e = self._residuals.get(name)\n",
-                  "        e = None\n"),),
+           (Patch("gradcomm/error_feedback.py", "    e = table.get(name)\n",
+                  "    e = None\n"),),
            _EF),
     # -- a 'shared' seed that differs across ranks
     Mutant("randomk-unshared", "randomk declares its seed unshared: the collectives add "

@@ -9,6 +9,11 @@ object, and a step counter per key (it seeds the stochastic codecs). Stateful co
 other per-key arrays in the same object (:meth:`ErrorFeedback.extra`, e.g. PowerSGD's
 warm-start ``Q`` under ``"<key>#q"``), checkpointed with the residuals.
 
+:class:`ResidualStore` is what the compressed collectives ask of such an object (steps,
+the key's residual, per-hop residuals with their location, codec state, the tensors a
+buffer is made of). :class:`ErrorFeedback` implements it; so does the DDP hook's store of
+per-parameter residuals (:mod:`gradcomm.integrations.ddp.residuals`).
+
 Everything is held as plain numpy arrays and ints, so :meth:`ErrorFeedback.state_dict`
 saves with ``numpy.savez`` (no pickle) or ``torch.save`` (load it with
 ``torch.load(path, weights_only=False)`` or inside
@@ -32,7 +37,7 @@ Example:
 from __future__ import annotations
 
 import warnings
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -45,6 +50,63 @@ _RES, _STEP, _VER = "residual/", "step/", "gradcomm_error_feedback_version"
 _EXTRA = "extra/"
 #: separator between a key and the hop of a per-hop residual
 HOP_SEP = "#"
+
+
+@runtime_checkable
+class ResidualStore(Protocol):
+    """What a compressed collective needs from its caller's error-feedback state.
+
+    A reduction of ``key`` asks for :meth:`step` first (it seeds the stochastic codecs;
+    every rank must answer the same) and calls :meth:`advance` once it completed. Routes
+    that compress the whole buffer once (allgather, sparse allgather; every route when
+    p = 1) use the key's own residual: as one flat array (:meth:`flat_residual`) that a
+    codec adds and updates in its own pass, or, when the store keeps it in pieces, through
+    :meth:`compensate` before compressing and :meth:`update` after. Routes that
+    re-compress a partial sum at every hop keep one residual per hop
+    (:meth:`hop_residual`), told where the hop's segment starts in the buffer. Stateful
+    codecs keep arrays between steps (:meth:`extra`, :meth:`set_extra`), and PowerSGD
+    cuts a buffer into the tensors :meth:`parts` names.
+
+    Example:
+        >>> isinstance(ErrorFeedback(), ResidualStore)
+        True
+    """
+
+    #: False: nothing is compensated and no residual is kept (steps and extras still are)
+    enabled: bool
+
+    def step(self, key: str) -> int:
+        """The step of this reduction of ``key`` (the same on every rank)."""
+
+    def advance(self, key: str) -> None:
+        """A reduction of ``key`` completed (a store whose step is an outside clock, such as
+        the DDP hook's iteration, has nothing to count)."""
+
+    def flat_residual(self, key: str, n: int, dtype: Any, like: Any = None) -> Any | None:
+        """``key``'s residual as one flat array of ``n`` elements of ``dtype`` where ``like``
+        lives, which a codec may add and update in a single pass; None if the store keeps
+        it in pieces (then :meth:`compensate` and :meth:`update` are called)."""
+
+    def compensate(self, key: str, x: Any) -> Any:
+        """``x += `` what the store owes ``key`` (flat ``x``, in place); returns ``x``."""
+
+    def update(self, key: str, x: Any, decoded: Any) -> None:
+        """Keep ``x - decoded`` as ``key``'s residual (``x``: what was compressed)."""
+
+    def hop_residual(self, name: str, offset: int, n: int, dtype: Any,
+                     like: Any = None) -> Any:
+        """The residual of hop ``name`` (``"<key>#<hop>"``): ``n`` elements of ``dtype``
+        where ``like`` lives, for the segment that starts at ``offset`` of the buffer."""
+
+    def extra(self, name: str) -> np.ndarray | None:
+        """The codec state stored under ``name`` (``"<key>#..."``), or None."""
+
+    def set_extra(self, name: str, value: np.ndarray) -> None:
+        """Store flat numeric codec state ``value`` under ``name``."""
+
+    def parts(self, key: str) -> Sequence[tuple[str, int, Any]] | None:
+        """The tensors ``key``'s buffer is made of, in order, as ``(name, elements,
+        shape or None)``; None if the store does not know."""
 
 
 class ErrorFeedbackWarning(UserWarning):
@@ -79,37 +141,34 @@ class ErrorFeedback:
         a :class:`ResidualResetWarning`. One held elsewhere (a checkpoint loaded on the
         host, then used on a GPU) is moved.
         """
-        dt = np.dtype(dtype)
-        e = self._residuals.get(name)
-        if e is not None and (tuple(e.shape) != (n,) or arrays.dtype_name(e) != dt.name):
-            warnings.warn(f"error-feedback residual {name!r} held {arrays.size(e)} x "
-                          f"{arrays.dtype_name(e)} but {n} x {dt} is needed now; it was "
-                          "reset to zeros", ResidualResetWarning, stacklevel=3)
-            e = None
-        home = like is not None and not arrays.is_host(like)
-        if e is None:
-            e = np.zeros(n, dt)
-            if home:
-                e = arrays.like(e, like)
-            self._residuals[name] = e
-        elif home != (not arrays.is_host(e)) or (home and arrays.meta_of(e).device !=
-                                                   arrays.meta_of(like).device):
-            e = self._residuals[name] = arrays.like(arrays.host(e).copy(), like) if home \
-                else arrays.host(e).copy()
-        return e
+        return held_residual(self._residuals, name, n, dtype, like)
+
+    def flat_residual(self, key: str, n: int, dtype: Any, like: Any = None) -> Any:
+        """:meth:`residual` ``key``: this store keeps every key's residual in one piece."""
+        return held_residual(self._residuals, key, n, dtype, like)
+
+    def hop_residual(self, name: str, offset: int, n: int, dtype: Any,
+                     like: Any = None) -> Any:
+        """:meth:`residual` ``name`` (hops are told apart by name; ``offset`` is not
+        needed)."""
+        return held_residual(self._residuals, name, n, dtype, like)
+
+    def parts(self, key: str) -> None:
+        """None: this store does not know what tensors a key's buffer is made of."""
+        return None
 
     def compensate(self, name: str, x: Any) -> Any:
         """``x += e`` in place (flat ``x``, any array kind) and return ``x``; no-op when
         disabled."""
         if self.enabled:
-            x += self.residual(name, arrays.size(x), arrays.dtype_name(x), like=x)
+            x += held_residual(self._residuals, name, arrays.size(x), arrays.dtype_name(x), x)
         return x
 
     def update(self, name: str, x: Any, decoded: Any) -> None:
         """``e ← x − decoded`` where ``x`` is what was compressed (from :meth:`compensate`)."""
         if self.enabled:
-            arrays.subtract(x, decoded,
-                            self.residual(name, arrays.size(x), arrays.dtype_name(x), like=x))
+            arrays.subtract(x, decoded, held_residual(self._residuals, name, arrays.size(x),
+                                                      arrays.dtype_name(x), x))
 
     def reset(self, key: str | None = None) -> None:
         """Forget the residuals (and steps) of ``key`` and its hops, or of every key."""
@@ -147,10 +206,7 @@ class ErrorFeedback:
 
     def set_extra(self, name: str, value: np.ndarray) -> None:
         """Store flat numeric array ``value`` (not copied) under ``name``."""
-        if not isinstance(value, np.ndarray) or value.ndim != 1 or value.dtype.kind not in "fiu":
-            raise ConfigError(f"extra state {name!r} must be a flat numeric numpy array, got "
-                              f"{getattr(value, 'shape', type(value).__name__)}")
-        self._extras[name] = value
+        self._extras[name] = checked_extra(name, value)
 
     def extra_names(self) -> Iterator[str]:
         """Names of the stored extra arrays."""
@@ -226,6 +282,43 @@ class ErrorFeedback:
                 f"keys={len(self._steps)})")
 
 
+def held_residual(table: dict[str, Any], name: str, n: int, dtype: Any, like: Any) -> Any:
+    """``table[name]`` as a flat array of ``n`` elements of ``dtype`` where ``like`` lives
+    (None: numpy); see :meth:`ErrorFeedback.residual`, which keeps its residuals this way.
+
+    Example:
+        >>> table = {}
+        >>> held_residual(table, "w", 2, "float32", None).tolist(), sorted(table)
+        ([0.0, 0.0], ['w'])
+    """
+    dt = np.dtype(dtype)
+    e = table.get(name)
+    if e is not None and (tuple(e.shape) != (n,) or arrays.dtype_name(e) != dt.name):
+        warnings.warn(f"error-feedback residual {name!r} held {arrays.size(e)} x "
+                      f"{arrays.dtype_name(e)} but {n} x {dt} is needed now; it was "
+                      "reset to zeros", ResidualResetWarning, stacklevel=4)
+        e = None
+    home = like is not None and not arrays.is_host(like)
+    if e is None:
+        e = np.zeros(n, dt)
+        if home:
+            e = arrays.like(e, like)
+        table[name] = e
+    elif home != (not arrays.is_host(e)) or (home and arrays.meta_of(e).device !=
+                                               arrays.meta_of(like).device):
+        e = table[name] = arrays.like(arrays.host(e).copy(), like) if home \
+            else arrays.host(e).copy()
+    return e
+
+
+def checked_extra(name: str, value: Any) -> np.ndarray:
+    """``value`` if it is a flat numeric numpy array (codec state), else ConfigError."""
+    if not isinstance(value, np.ndarray) or value.ndim != 1 or value.dtype.kind not in "fiu":
+        raise ConfigError(f"extra state {name!r} must be a flat numeric numpy array, got "
+                          f"{getattr(value, 'shape', type(value).__name__)}")
+    return value
+
+
 def contractive(codec: Any) -> bool:
     """Whether error feedback is stable with ``codec``: its error must shrink the input,
     ``||C(x) − x|| < ||x||`` (in expectation, or elementwise relative to ``max |x|``).
@@ -274,5 +367,5 @@ def torch_safe_globals() -> list[Any]:
     return [_reconstruct, np.ndarray, np.dtype, *dtypes]
 
 
-__all__ = ["ErrorFeedback", "ErrorFeedbackWarning", "ResidualResetWarning", "STATE_VERSION",
-           "contractive", "torch_safe_globals"]
+__all__ = ["ErrorFeedback", "ErrorFeedbackWarning", "ResidualResetWarning", "ResidualStore",
+           "STATE_VERSION", "checked_extra", "contractive", "held_residual", "torch_safe_globals"]

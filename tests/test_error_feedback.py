@@ -12,7 +12,7 @@ import gradcomm
 from gradcomm import compressors
 from gradcomm.comm import run_ranks
 from gradcomm.error_feedback import (ErrorFeedback, ErrorFeedbackWarning, ResidualResetWarning,
-                                     contractive, torch_safe_globals)
+                                     ResidualStore, contractive, torch_safe_globals)
 from gradcomm.errors import ConfigError
 from tests._grid import Grid
 
@@ -49,6 +49,20 @@ def test_disabled_keeps_steps_only() -> None:
     ef.update("w", x, np.zeros(3, np.float32))
     ef.advance("w")
     assert list(ef.names()) == [] and ef.step("w") == 1
+
+
+def test_is_a_residual_store_with_one_piece_per_key() -> None:
+    """The ResidualStore side: the key's residual is one flat array (fused codecs update
+    it in place), hops are residuals by name, and no tensor layout is known."""
+    ef = ErrorFeedback()
+    assert isinstance(ef, ResidualStore)
+    e = ef.flat_residual("w", 3, np.float32)
+    e[...] = [1, 2, 3]
+    assert ef.residual("w", 3, np.float32) is e
+    assert ef.compensate("w", np.zeros(3, np.float32)).tolist() == [1, 2, 3]
+    h = ef.hop_residual("w#e0", 5, 2, np.float32)
+    assert ef.residual("w#e0", 2, np.float32) is h and ef.parts("w") is None
+    assert list(ef.names()) == ["w", "w#e0"]
 
 
 def test_shape_change_resets_with_warning() -> None:

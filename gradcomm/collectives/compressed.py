@@ -111,7 +111,7 @@ from .. import arrays, compressors
 from .._dtypes import FLOATS
 from ..comm.base import Transport
 from ..compressors.base import Compressor, Payload
-from ..error_feedback import HOP_SEP, ErrorFeedback, contractive
+from ..error_feedback import HOP_SEP, ResidualStore, contractive
 from ..errors import ConfigError, GradcommError, PayloadError, UnsupportedError
 from . import compressed_ring
 from ._check import agree_args
@@ -322,7 +322,7 @@ class CompressedWire:
     those pieces' payloads, not re-compressed. Peer frames are validated: parts must tile
     the segment, sizes must fit, payloads parse and decode to the right length.
 
-    ``ef`` (an :class:`ErrorFeedback`, or None) keeps one residual per hop; ``key`` names
+    ``ef`` (a :class:`ResidualStore`, or None) keeps one residual per hop; ``key`` names
     them. Hops are numbered in call order, which depends on (n, p, algorithm) only.
     Buffers come from ``state`` (reused across calls on one transport), else fresh.
     """
@@ -330,7 +330,7 @@ class CompressedWire:
     lossy = True
 
     def __init__(self, codec: Compressor, base: np.ndarray, seeds: _Seeds, *,
-                 max_parts: int = 1, ef: ErrorFeedback | None = None, key: str = "",
+                 max_parts: int = 1, ef: ResidualStore | None = None, key: str = "",
                  state: _State | None = None) -> None:
         self.codec, self.base, self.seeds = codec, base, seeds
         self.dtype = arrays.dtype_name(base)
@@ -385,13 +385,9 @@ class CompressedWire:
             del self._finished[off]
 
     def _hop_residual(self, name: str, off: int, n: int, dtype: Any) -> np.ndarray:
-        """The residual of one hop; a residual store with ``locate(name, offset)`` (the DDP
-        hook's) is told where the hop's segment starts, to map it back to positions."""
+        """The residual of one hop, whose segment starts at ``off`` of the buffer."""
         assert self.ef is not None
-        locate = getattr(self.ef, "locate", None)
-        if locate is not None:
-            locate(name, off)
-        return self.ef.residual(name, n, dtype, like=self.base)
+        return self.ef.hop_residual(name, off, n, dtype, like=self.base)
 
     # -- frames ---------------------------------------------------------------------------
     def _layout(self, n: int) -> _Layout | None:
@@ -775,7 +771,7 @@ def segment_codec(codec: Compressor, n: int) -> Compressor:
 
 
 def _per_hop(t: Transport, x: np.ndarray, codec: Compressor, name: str, seeds: _Seeds,
-             ef: ErrorFeedback | None, key: str, state: _State | None = None) -> None:
+             ef: ResidualStore | None, key: str, state: _State | None = None) -> None:
     from . import algorithm
 
     n, dt, itemsize = arrays.size(x), arrays.dtype_name(x), arrays.itemsize(x)
@@ -793,15 +789,8 @@ def _per_hop(t: Transport, x: np.ndarray, codec: Compressor, name: str, seeds: _
     algorithm(name)(t, x, Reducer("sum", dt), wire=wire, **kwargs)
 
 
-def _plain_ef(ef: ErrorFeedback) -> bool:
-    """Whether ``ef`` keeps the key's residual the standard way (the DDP hook's store
-    overrides compensate/update to keep per-parameter residuals instead)."""
-    return type(ef).compensate is ErrorFeedback.compensate and \
-        type(ef).update is ErrorFeedback.update
-
-
 def _gathered(t: Transport, x: np.ndarray, codec: Compressor, sparse: bool, seeds: _Seeds,
-              ef: ErrorFeedback | None, key: str, state: _State | None = None) -> None:
+              ef: ResidualStore | None, key: str, state: _State | None = None) -> None:
     """Every rank compresses ``x`` (+ its residual) once; the payloads are allgathered as
     one-part frames of the same size (no size exchange) and decoded-and-summed in rank
     order into ``x``. Sparse codecs send their (index, value) pairs through
@@ -812,10 +801,11 @@ def _gathered(t: Transport, x: np.ndarray, codec: Compressor, sparse: bool, seed
     wire = CompressedWire(codec, x, seeds, state=state)
     pairs = _accepts(getattr(codec, "to_sparse", None), "payload")
     size = wire.bound(n)
-    if ef is None or (_plain_ef(ef) and wire._fused):
+    e = ef.flat_residual(key, n, wire.dtype, like=x) if ef is not None and wire._fused \
+        else None
+    if ef is None or e is not None:
         # the key's residual e (if any) is fused into the codec's pass: y = x + e is
         # compressed and e = y - decode(y) left behind; x itself is not needed after
-        e = ef.residual(key, n, wire.dtype, like=x) if ef is not None else None
         if sparse and pairs:
             payload = codec.compress(x, seed=seeds.whole(),   # type: ignore[call-arg]
                                      **({} if e is None else {"residual": e}))
@@ -829,7 +819,7 @@ def _gathered(t: Transport, x: np.ndarray, codec: Compressor, sparse: bool, seed
             idx = _nonzero(dec)
             _sparse_sum(t, idx, dec[idx], x)
             return
-    else:                       # a residual store of its own (the DDP hook's): step by step
+    else:                       # a residual kept in pieces (the DDP hook's): step by step
         ef.compensate(key, x)
         frame, data = wire._single(x, seeds.whole(), n, size)
         dec = wire._scratch_of(0, n)
@@ -926,7 +916,7 @@ def check_seed(seed: Any) -> int:
 
 
 def next_step(steps: "weakref.WeakKeyDictionary[Transport, int]", t: Transport,
-              residuals: ErrorFeedback | None, key: str) -> int:
+              residuals: ResidualStore | None, key: str) -> int:
     """This call's step: that of ``key`` in ``residuals``, else the count of earlier calls
     on ``t`` (kept in ``steps``, which it advances)."""
     if residuals is not None:
@@ -938,12 +928,12 @@ def next_step(steps: "weakref.WeakKeyDictionary[Transport, int]", t: Transport,
 
 def compressed_allreduce(t: Transport, buf: np.ndarray, dtype: str, *, op: str,
                          algorithm: str, compressor: Any, check: bool = True,
-                         seed: int | None = None, residuals: ErrorFeedback | None = None,
+                         seed: int | None = None, residuals: ResidualStore | None = None,
                          key: str | None = None, **options: Any) -> np.ndarray:
     """Allreduce flat storage ``buf`` of logical ``dtype`` through ``compressor``.
 
     ``buf`` may be overwritten; the result (flat, storage dtype) is returned. ``residuals``
-    (an :class:`ErrorFeedback`) supplies error feedback and the step counter of ``key``;
+    (a :class:`ResidualStore`) supplies error feedback and the step counter of ``key``;
     without it, steps count the calls on ``t`` and nothing is compensated. ``seed``
     (default 0) seeds the stochastic codecs. Errors in the arguments are raised on every
     rank (after the cross-rank check, when ``check``).
@@ -1004,7 +994,7 @@ def compressed_allreduce(t: Transport, buf: np.ndarray, dtype: str, *, op: str,
 
 @arrays.device_scoped            # cupy: kernels and new arrays on buf's device
 def _run(t: Transport, buf: np.ndarray, dtype: str, op: str, algorithm: str,
-         codec: Compressor, seed: int, step: int, ef: ErrorFeedback | None, key: str
+         codec: Compressor, seed: int, step: int, ef: ResidualStore | None, key: str
          ) -> np.ndarray:
     p, n = t.size, arrays.size(buf)
     ef = ef if (ef is not None and ef.enabled and codec.lossy and contractive(codec)) \

@@ -29,13 +29,14 @@ rank order; ``auto`` picks the dense table's choice for each round's size.
 **Parts** of a flat buffer, in order of precedence: ``shapes=`` (shapes of the tensors
 concatenated in the buffer; part ``i`` is named ``"<key>#<i>"``), ``shape=`` (one tensor,
 named ``key``), a residual store that knows the key's parameters (the DDP hook's:
-``units[key] = (names, lengths)`` and, where it exposes them, ``shapes[name]``; parts
-are named after the parameters, so warm starts survive bucket rebuilds), else the whole
+``residuals.parts(key)`` gives their names, sizes and shapes; parts are named after the
+parameters, so warm starts survive bucket rebuilds), else the whole
 buffer as one flat part named ``key``. A part without a shape takes the near-square flat
 layout.
 
 **State** (warm-start ``Q`` per part as ``"<part>#q"``, residuals, step counters) lives
-in the :class:`~gradcomm.error_feedback.ErrorFeedback` passed as ``residuals``, so
+in the :class:`~gradcomm.error_feedback.ResidualStore` passed as ``residuals`` (an
+:class:`~gradcomm.error_feedback.ErrorFeedback`, or the DDP hook's), so
 ``state_dict``/``load_state_dict`` resume bitwise. Without one (``gradcomm.allreduce``)
 every call is a single power iteration from a fresh seeded ``Q``, without error feedback.
 
@@ -74,7 +75,7 @@ from .._dtypes import bf16_to_f32, f32_to_bf16
 from ..comm.base import Transport
 from ..compressors.powersgd import (Layout, PowerSGD, left, orthonormalize, product,
                                     random_factor, right)
-from ..error_feedback import HOP_SEP, ErrorFeedback
+from ..error_feedback import HOP_SEP, ResidualStore
 from ..errors import ConfigError, GradcommError
 from . import DENSE, dense_allreduce
 from ._check import agree_args
@@ -109,7 +110,7 @@ def _shape(value: Any) -> tuple[int, ...]:
     return tuple(int(d) for d in dims)
 
 
-def parts_of(n: int, key: str, codec: PowerSGD, residuals: Any = None,
+def parts_of(n: int, key: str, codec: PowerSGD, residuals: ResidualStore | None = None,
              shape: Any = None, shapes: Any = None) -> list[Part]:
     """How a flat buffer of ``n`` elements is cut into parts (see the module docstring).
 
@@ -130,13 +131,10 @@ def parts_of(n: int, key: str, codec: PowerSGD, residuals: Any = None,
         d = _shape(shape)
         named = [(key, math.prod(d), d)]
     else:
-        unit = getattr(residuals, "units", None)
-        entry = unit.get(key) if isinstance(unit, dict) else None
-        known = getattr(residuals, "shapes", None) or {}
-        if entry is not None and sum(entry[1]) == n:
+        entry = residuals.parts(key) if residuals is not None else None
+        if entry is not None and sum(length for _, length, _ in entry) == n:
             named = []
-            for name, length in zip(*entry):
-                d = known.get(name)
+            for name, length, d in entry:
                 d = _shape(d) if d is not None and math.prod(_shape(d)) == length else None
                 named.append((str(name), int(length), d))
         else:
@@ -193,7 +191,7 @@ def _scratch(owner: Any, n: int, dtype: np.dtype) -> np.ndarray:
 
 def powersgd_allreduce(t: Transport, buf: np.ndarray, dtype: str, *, op: str,
                        algorithm: str, codec: Any = "powersgd",
-                       residuals: ErrorFeedback | None = None, key: str | None = None,
+                       residuals: ResidualStore | None = None, key: str | None = None,
                        seed: int | None = None, check: bool = True, shape: Any = None,
                        shapes: Any = None, **options: Any) -> np.ndarray:
     """Allreduce flat storage ``buf`` of logical ``dtype`` by PowerSGD; returns the result.

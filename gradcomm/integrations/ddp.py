@@ -123,7 +123,7 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import msgpack
 import numpy as np
@@ -132,7 +132,7 @@ from .. import arrays
 from ..collectives import ALGORITHMS, DENSE, dense_allreduce
 from ..comm import get_transport
 from ..comm.base import Transport
-from ..error_feedback import HOP_SEP, ErrorFeedback
+from ..error_feedback import HOP_SEP, checked_extra, held_residual
 from ..errors import ConfigError, GradcommError, PayloadError, UnsupportedError
 
 #: ``state_dict()["format"]`` and its version
@@ -190,7 +190,7 @@ class CommHookState:
                               "hook's messages are host buffers: pass "
                               "process_group=dist.new_group(backend='gloo') or "
                               "transport='mpi'")
-        self.residuals = _Residuals(self.error_feedback, lambda: self.iter)
+        self.residuals = _Residuals(self.error_feedback)
         self.iter = 0
         self.stats = {"buckets": 0, "bytes_sent": 0, "native_nbytes": 0, "comm_seconds": 0.0}
         self._names: dict[int, str] | None = None
@@ -498,15 +498,15 @@ class CommHookState:
         it lives) with the residuals of ``keys``."""
         from ..collectives.compressed import compressed_allreduce
 
-        unit = self.residuals.begin(keys, lengths, x)
+        unit = self.residuals.open(keys, lengths, x, self.iter)
         if self.algorithm == "native":                  # PowerSGD's rounds, on the library
             self.stats["native_nbytes"] += self._native_nbytes(x, unit)
         return compressed_allreduce(self.transport, x, arrays.meta_of(x).dtype, op="sum",
                                     algorithm=self.algorithm, compressor=self.compressor,
-                                    check=check, seed=self.seed, residuals=self.residuals,
-                                    key=unit)
+                                    check=check, seed=self.seed, residuals=unit,
+                                    key=unit.key)
 
-    def _native_nbytes(self, x: np.ndarray, unit: str) -> int:
+    def _native_nbytes(self, x: np.ndarray, unit: _UnitResiduals) -> int:
         """Bytes PowerSGD will hand to the library's allreduce for ``x`` (both rounds)."""
         from ..collectives.powersgd import parts_of, wire_values
 
@@ -515,7 +515,7 @@ class CommHookState:
             return 0
         if self.iter < getattr(c, "start_iter", 0):
             return x.nbytes
-        return sum(wire_values(parts_of(x.size, unit, c, self.residuals))) * x.itemsize
+        return sum(wire_values(parts_of(x.size, unit.key, c, unit))) * x.itemsize
 
     # -- checkpoints ---------------------------------------------------------------------
     def state_dict(self, *, rank0_only: bool = False) -> dict[str, Any]:
@@ -670,66 +670,66 @@ def comm_hook(state: CommHookState, bucket):  # type: ignore[no-untyped-def]
 
 
 # -- residuals ----------------------------------------------------------------------------
-class _Residuals(ErrorFeedback):
-    """Residuals by parameter name, plus the per-hop residuals of the units reduced.
+class _Residuals:
+    """Residuals by parameter name, the per-hop residuals of the units reduced, codec state.
 
-    Handed to ``compressed_allreduce`` as its ``residuals``: the hook adds each parameter's
-    residual to its slice itself (:meth:`begin`), so ``compensate`` is the identity and
-    ``update`` cuts ``x - decoded`` back into per-parameter residuals. Collectives that
-    re-compress per hop keep ``"<unit>#<hop>"`` residuals here; ``locate`` records where
-    each lies in its unit, so that when the unit disappears (bucket rebuild, another
-    rank count) its hop residuals are folded into the parameters' residuals, losing
-    nothing. Seeds follow the hook's iteration (``step``), identical on every rank.
-    Stateful codecs keep per-parameter *extra* state here too (PowerSGD's warm-start
-    ``"<name>#q"``, the same bytes on every rank), checkpointed with the residuals.
-    ``shapes`` maps parameter names to their shapes (the hook records them), so that
-    PowerSGD views each parameter as PyTorch's hook does.
+    The hook reduces *units* (the parameters reduced together). :meth:`open` adds each
+    parameter's residual to its slice of the unit's flat buffer and returns the unit's
+    :class:`_UnitResiduals`, the :class:`~gradcomm.error_feedback.ResidualStore` handed to
+    ``compressed_allreduce``: its ``update`` cuts ``x - decoded`` back into per-parameter
+    residuals, and collectives that re-compress per hop keep ``"<unit>#<hop>"`` residuals
+    here with the offset where each lies in its unit, so that when the unit disappears
+    (bucket rebuild, another rank count) its hop residuals are folded into the
+    parameters' residuals, losing nothing. Stateful codecs keep per-parameter *extra*
+    state here too (PowerSGD's warm-start ``"<name>#q"``, the same bytes on every rank),
+    checkpointed with the residuals. ``shapes`` maps parameter names to their shapes (the
+    hook records them), so that PowerSGD views each parameter as PyTorch's hook does.
     """
 
-    def __init__(self, enabled: bool, clock: Callable[[], int]) -> None:
-        super().__init__(enabled)
-        self.clock = clock
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = bool(enabled)
+        self._residuals: dict[str, Any] = {}
+        self._extras: dict[str, np.ndarray] = {}
         self.units: dict[str, tuple[list[str], list[int]]] = {}
         self.offsets: dict[str, int] = {}
-        self.shapes: dict[str, tuple[int, ...]] = {}
-        self._segments: list[tuple[str, int, int]] = []
+        self.shapes: dict[str, tuple[int, ...] | None] = {}
         self._used: set[str] = set()
 
-    # what compressed_allreduce calls
-    def step(self, key: str) -> int:
-        return self.clock()
+    def residual(self, name: str, n: int, dtype: Any, like: Any = None) -> Any:
+        """The residual ``name`` (a parameter, or a hop of a unit) as a flat array of ``n``
+        elements of ``dtype`` where ``like`` lives, as
+        :meth:`~gradcomm.error_feedback.ErrorFeedback.residual` keeps it."""
+        return held_residual(self._residuals, name, n, dtype, like)
 
-    def advance(self, key: str) -> None:
-        pass
+    def names(self) -> Iterator[str]:
+        """Names of the stored residuals (parameters and ``unit#hop`` entries)."""
+        return iter(sorted(self._residuals))
 
-    def compensate(self, key: str, x: np.ndarray) -> np.ndarray:
-        return x
+    def extra(self, name: str) -> np.ndarray | None:
+        """The codec state stored under ``name``, or None."""
+        return self._extras.get(name)
 
-    def update(self, key: str, x: Any, decoded: Any) -> None:
-        if self.enabled:
-            dtype = arrays.dtype_name(x)
-            for name, a, b in self._segments:
-                arrays.subtract(x[a:b], decoded[a:b],
-                                self.residual(name, b - a, dtype, like=x))
+    def set_extra(self, name: str, value: np.ndarray) -> None:
+        """Store flat numeric codec state ``value`` (not copied) under ``name``."""
+        self._extras[name] = checked_extra(name, value)
 
-    def locate(self, name: str, offset: int) -> None:
-        """Record that hop residual ``name`` starts at ``offset`` of its unit."""
-        self.offsets[name] = int(offset)
+    def extra_names(self) -> Iterator[str]:
+        """Names of the stored codec state arrays."""
+        return iter(sorted(self._extras))
 
-    # what the hook calls
-    def begin(self, keys: list[str], lengths: list[int], x: Any) -> str:
+    def open(self, keys: list[str], lengths: list[int], x: Any, step: int) -> _UnitResiduals:
         """Add each parameter's residual to its slice of flat ``x`` (any array kind; a
-        residual held elsewhere, e.g. loaded on the host, moves to ``x``'s device);
-        the unit's key."""
+        residual held elsewhere, e.g. loaded on the host, moves to ``x``'s device); the
+        unit's residual store for this reduction, at the hook's iteration ``step``."""
         import hashlib
 
         unit = "unit:" + hashlib.sha1("|".join(keys).encode()).hexdigest()[:16]
         self.units[unit] = (list(keys), list(lengths))
         self._used.add(unit)
-        self._segments = []
+        segments = []
         a, dtype = 0, arrays.dtype_name(x)
         for name, n in zip(keys, lengths):
-            self._segments.append((name, a, a + n))
+            segments.append((name, a, a + n))
             e = self._residuals.get(name) if self.enabled else None
             if e is not None:
                 if tuple(e.shape) == (n,) and arrays.dtype_name(e) == dtype:
@@ -739,7 +739,7 @@ class _Residuals(ErrorFeedback):
                 else:
                     self.residual(name, n, dtype, like=x)       # warns and resets
             a += n
-        return unit
+        return _UnitResiduals(self, unit, segments, step)
 
     def fold_unused(self, t: Transport | None = None) -> None:
         """Fold the hop residuals of units not reduced since the last call.
@@ -819,7 +819,7 @@ class _Residuals(ErrorFeedback):
 
     def copy(self) -> _Residuals:
         """An independent copy (arrays, extra state, units, offsets, shapes)."""
-        out = type(self)(self.enabled, self.clock)
+        out = type(self)(self.enabled)
         out._residuals = {k: arrays.clone(v) for k, v in self._residuals.items()}
         out._extras = {k: v.copy() for k, v in self._extras.items()}
         out.units = {k: (list(n), list(ls)) for k, (n, ls) in self.units.items()}
@@ -830,7 +830,7 @@ class _Residuals(ErrorFeedback):
     @classmethod
     def from_entry(cls, entry: Mapping[str, Any], rank: int) -> _Residuals:
         """One saved rank's residuals (``state_dict()["ranks"][rank]``)."""
-        r = cls(True, lambda: 0)
+        r = cls(True)
         try:
             for k, v in entry["residuals"].items():
                 arr = np.array(_numpy(v), copy=True)
@@ -860,7 +860,7 @@ class _Residuals(ErrorFeedback):
         takes saved rank 0's copy, so the new ranks agree too.
         """
         copies = _count_copies([part.digests(list(part.units)) for part in saved])
-        out = cls(True, lambda: 0)
+        out = cls(True)
         if saved:
             out._extras = {k: v.copy() for k, v in saved[0]._extras.items()}
         for r, original in enumerate(saved):
@@ -881,6 +881,65 @@ class _Residuals(ErrorFeedback):
                     raise ConfigError(f"residual {name!r} has {arrays.size(e)} elements on "
                                       f"one saved rank and {arrays.size(mine)} on another")
         return out
+
+
+class _UnitResiduals:
+    """One unit's reduction as a :class:`~gradcomm.error_feedback.ResidualStore`.
+
+    ``key`` names the unit. Its residual is kept in pieces, one per parameter: the hook
+    added them to the buffer when it opened the unit (:meth:`_Residuals.open`), so
+    :meth:`compensate` has nothing left to add, and :meth:`update` cuts ``x - decoded``
+    back into the parameters' residuals. Hop residuals are kept with their offset in the
+    unit. The step is the hook's iteration, identical on every rank; the hook advances it.
+    """
+
+    def __init__(self, store: _Residuals, key: str, segments: list[tuple[str, int, int]],
+                 step: int) -> None:
+        self.store, self.key, self.segments, self._step = store, key, segments, int(step)
+
+    @property
+    def enabled(self) -> bool:
+        return self.store.enabled
+
+    def step(self, key: str) -> int:
+        return self._step
+
+    def advance(self, key: str) -> None:
+        """Nothing to count: the step is the hook's iteration."""
+
+    def flat_residual(self, key: str, n: int, dtype: Any, like: Any = None) -> None:
+        """None: the unit's residual is kept per parameter."""
+        return None
+
+    def compensate(self, key: str, x: Any) -> Any:
+        """``x`` as it is: the parameters' residuals were added when the unit was opened."""
+        return x
+
+    def update(self, key: str, x: Any, decoded: Any) -> None:
+        if self.store.enabled:
+            dtype = arrays.dtype_name(x)
+            for name, a, b in self.segments:
+                arrays.subtract(x[a:b], decoded[a:b],
+                                self.store.residual(name, b - a, dtype, like=x))
+
+    def hop_residual(self, name: str, offset: int, n: int, dtype: Any,
+                     like: Any = None) -> Any:
+        """The hop's residual; ``offset`` is recorded, to fold it into the parameters."""
+        self.store.offsets[name] = int(offset)
+        return self.store.residual(name, n, dtype, like=like)
+
+    def extra(self, name: str) -> np.ndarray | None:
+        return self.store.extra(name)
+
+    def set_extra(self, name: str, value: np.ndarray) -> None:
+        self.store.set_extra(name, value)
+
+    def parts(self, key: str) -> list[tuple[str, int, Any]] | None:
+        """The unit's parameters: names, sizes and the shapes the hook recorded."""
+        entry = self.store.units.get(key)
+        if entry is None:
+            return None
+        return [(name, int(n), self.store.shapes.get(name)) for name, n in zip(*entry)]
 
 
 def _count_copies(every: list[Mapping[str, list[int]]]) -> list[dict[str, int]]:

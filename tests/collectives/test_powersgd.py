@@ -365,14 +365,14 @@ def test_parts_follow_the_hooks_parameters() -> None:
     names, lengths = ["fc1.weight", "fc1.bias", "fc2.weight"], [64 * 32, 64, 10 * 64]
 
     def fn(t, shaped):
-        res = _Residuals(True, lambda: 0)
+        res = _Residuals(True)
         if shaped:
             res.shapes = {"fc1.weight": (64, 32), "fc1.bias": (64,), "fc2.weight": (10, 64)}
         x = _grad(t.rank, 0, (sum(lengths),))
-        unit = res.begin(names, lengths, x)
+        unit = res.open(names, lengths, x, 0)
         y = compressed_allreduce(t, x.copy(), "float32", op="sum", algorithm="ring",
-                                 compressor=PowerSGD(rank=2), residuals=res, key=unit)
-        parts = parts_of(x.size, unit, PowerSGD(rank=2), res)
+                                 compressor=PowerSGD(rank=2), residuals=unit, key=unit.key)
+        parts = parts_of(x.size, unit.key, PowerSGD(rank=2), unit)
         return (y.tobytes(), sorted(res.extra_names()), sorted(res.names()),
                 [(q.name, q.lay) for q in parts])
 

@@ -45,7 +45,7 @@ def test_device_path_on_three_gloo_processes():
 def _store(kind: str) -> ddp._Residuals:
     """Residuals of parameters a (3) and b (4), a unit u = [a, b] with hop residuals."""
     make = np.asarray if kind == "numpy" else (lambda v: torch.tensor(v))
-    r = ddp._Residuals(True, lambda: 0)
+    r = ddp._Residuals(True)
     r._residuals = {"a": make(np.float32([0.5, -1.0, 2.0])),
                     "u#e0": make(np.float32([1.0, 2.0, 3.0])),       # covers b[0:3]
                     "u#f1": make(np.float32([0.25] * 7))}            # all of u, 2 copies
@@ -67,10 +67,10 @@ def test_residual_store_on_tensors_gives_the_bytes_of_numpy():
         x = x_np.copy() if kind == "numpy" else torch.from_numpy(x_np.copy())
         dec = dec_np if kind == "numpy" else torch.from_numpy(dec_np)
         digests = r.digests(["u"])
-        unit = r.begin(["a", "b"], [3, 4], x)               # adds a's residual, resets it
+        unit = r.open(["a", "b"], [3, 4], x, 0)             # adds a's residual, resets it
         assert arrays.kind(r._residuals["a"]) == kind and not arrays.host(
             r._residuals["a"]).any()
-        r.update(unit, x, dec)                              # e = x - decoded, per parameter
+        unit.update(unit.key, x, dec)                       # e = x - decoded, per parameter
         assert {arrays.kind(r._residuals[k]) for k in "ab"} == {kind}
         after_update = _host(r._residuals)
         r.units["u"] = (["a", "b"], [3, 4])
@@ -87,12 +87,12 @@ def test_residual_store_on_tensors_gives_the_bytes_of_numpy():
 
 
 def test_residuals_loaded_on_the_host_move_to_the_bucket_and_back():
-    r = ddp._Residuals(True, lambda: 0)
+    r = ddp._Residuals(True)
     r._residuals["a"] = np.float32([1.0, 2.0])              # as load_state_dict leaves it
     x = torch.tensor([10.0, 20.0, 30.0])
-    r.begin(["a", "c"], [2, 1], x)
+    unit = r.open(["a", "c"], [2, 1], x, 0)
     assert x.tolist() == [11.0, 22.0, 30.0] and isinstance(r._residuals["a"], torch.Tensor)
-    r.update("u", x, torch.tensor([11.0, 21.0, 30.0]))
+    unit.update(unit.key, x, torch.tensor([11.0, 21.0, 30.0]))
     assert r.local_state()[0]["residuals"]["a"].tolist() == [0.0, 1.0]
     copy = r.copy()
     copy._residuals["a"] += 1                               # never aliased

@@ -151,13 +151,32 @@ def test_state_dict_round_trips_through_torch_save_weights_only():
 
 
 def _res(named: dict, units=(), offsets=None) -> ddp._Residuals:
-    r = ddp._Residuals(True, lambda: 0)
+    r = ddp._Residuals(True)
     for k, v in named.items():
         r._residuals[k] = np.asarray(v, np.float32)
     for u, names, lengths in units:
         r.units[u] = (names, lengths)
     r.offsets = dict(offsets or {})
     return r
+
+
+def test_a_unit_is_a_residual_store_of_per_parameter_pieces():
+    from gradcomm.error_feedback import ResidualStore
+
+    r = _res({"a": [1, 2], "b": [0, 0, 0]})
+    r.shapes = {"a": (2,), "b": (1, 3)}
+    x = np.arange(5, dtype=np.float32)
+    unit = r.open(["a", "b"], [2, 3], x, 7)
+    assert isinstance(unit, ResidualStore) and unit.key in r.units
+    assert x.tolist() == [1, 3, 2, 3, 4] and r._residuals["a"].tolist() == [0, 0]
+    assert unit.step(unit.key) == 7 and unit.flat_residual(unit.key, 5, np.float32) is None
+    assert unit.compensate(unit.key, x) is x and x.tolist() == [1, 3, 2, 3, 4]
+    unit.update(unit.key, x, np.zeros(5, np.float32))
+    assert r._residuals["a"].tolist() == [1, 3] and r._residuals["b"].tolist() == [2, 3, 4]
+    unit.hop_residual(unit.key + "#e0", 2, 3, np.float32)[...] = 1
+    assert r.offsets == {unit.key + "#e0": 2}
+    assert unit.parts(unit.key) == [("a", 2, (2,)), ("b", 3, (1, 3))]
+    assert unit.parts("another") is None
 
 
 def test_fold_maps_hop_residuals_to_parameters_and_divides_replicas():
@@ -274,9 +293,9 @@ def test_powersgd_hook_uses_shapes_runs_on_native_and_counts_its_bytes():
         state, _ = ddp.make_comm_hook("powersgd", rank=2, algorithm=algorithm, transport=t,
                                       model=model)
         got = _psgd_steps(state, model, t.rank, range(3))
-        unit = next(iter(state.residuals.units))
+        unit, (names, _) = next(iter(state.residuals.units.items()))
         wire = sum(wire_values(parts_of(sum(map(np.prod, SHAPES.values())), unit,
-                                        state.compressor, state.residuals)))
+                                        state.compressor, shapes=[SHAPES[k] for k in names])))
         extras = {k: state.residuals.extra(k).size for k in state.residuals.extra_names()}
         state.close()
         return got, dict(state.residuals.shapes), extras, state.stats["native_nbytes"], wire

@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -429,7 +430,7 @@ def unit_key(keys: list[str]) -> str:
 
 class _RefStore(gradcomm.ErrorFeedback):
     """The library's own error feedback (standard compensate/update) with the hook's step
-    (its iteration, for every key) and hop offsets recorded (``locate``)."""
+    (its iteration, for every key) and hop offsets recorded."""
 
     def __init__(self, enabled: bool) -> None:
         super().__init__(enabled)
@@ -439,8 +440,10 @@ class _RefStore(gradcomm.ErrorFeedback):
     def step(self, key: str) -> int:
         return self.now
 
-    def locate(self, name: str, offset: int) -> None:
+    def hop_residual(self, name: str, offset: int, n: int, dtype: Any,
+                     like: Any = None) -> Any:
         self.offsets[name] = int(offset)
+        return super().hop_residual(name, offset, n, dtype, like)
 
 
 class _RefRank:

@@ -20,8 +20,9 @@ import numpy as np
 
 from . import _kernels
 from ..arrays import dtype_name, size
-from .base import (Compressor, Payload, Reader, as_float32, dtype_code, make_out, need_out,
-                   payload_nbytes, reuse)
+from ._options import dtype_code
+from .base import Compressor, as_float32, need_out, reuse
+from .payload import Payload, Reader, make_out, payload_nbytes
 
 
 class Bf16Compressor(Compressor):

@@ -22,8 +22,9 @@ import numpy as np
 from . import _kernels
 from ._kernels import _numpy
 from ..arrays import assign, bitcast, dtype_name, is_host, size
-from .base import (Compressor, Payload, Reader, dtype_code, make_out, need_out, payload_nbytes,
-                   reuse)
+from ._options import dtype_code
+from .base import Compressor, need_out, reuse
+from .payload import Payload, Reader, make_out, payload_nbytes
 
 
 class Fp16Compressor(Compressor):

@@ -35,8 +35,9 @@ import numpy as np
 
 from . import _kernels
 from ..arrays import dtype_name, size
-from .base import (Compressor, Payload, Reader, as_float32, dtype_code, make_out, need_out, one_of,
-                   payload_nbytes, positive_int, reuse, seed_words)
+from ._options import dtype_code, one_of, positive_int, seed_words
+from .base import Compressor, as_float32, need_out, reuse
+from .payload import Payload, Reader, make_out, payload_nbytes
 from ..errors import ConfigError, PayloadError
 
 #: largest bucket a payload may announce (also the option's upper bound)

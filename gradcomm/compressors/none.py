@@ -14,7 +14,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..arrays import assign, dtype_name, empty_like_kind, flat, size
-from .base import Compressor, Payload, check_codec, make_out, need_out, payload_nbytes
+from .base import Compressor, need_out
+from .payload import Payload, check_codec, make_out, payload_nbytes
 from ..errors import PayloadError
 
 

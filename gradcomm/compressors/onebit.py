@@ -21,8 +21,9 @@ import numpy as np
 
 from . import _kernels
 from ..arrays import dtype_name, size
-from .base import (Payload, Reader, as_float32, dtype_code, make_out, need_out,
-                   payload_nbytes, reuse)
+from ._options import dtype_code
+from .base import as_float32, need_out, reuse
+from .payload import Payload, Reader, make_out, payload_nbytes
 from .int8 import MAX_BUCKET, Bucketed
 from ..errors import PayloadError
 

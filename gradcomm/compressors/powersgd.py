@@ -52,8 +52,9 @@ from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
-from .base import (Compressor, Payload, Reader, as_input, dtype_code, make_out, payload_nbytes,
-                   positive_int, reuse, seed_words)
+from ._options import dtype_code, positive_int, seed_words
+from .base import Compressor, as_input, reuse
+from .payload import Payload, Reader, make_out, payload_nbytes
 from ..errors import ConfigError, PayloadError
 
 #: upper bound of the ``rank`` option (factors wider than this are no compression)

@@ -26,8 +26,9 @@ import numpy as np
 
 from . import _kernels
 from ..arrays import dtype_name, size
-from .base import (Compressor, Payload, Reader, as_float32, dtype_code, make_out, need_out,
-                   payload_nbytes, positive_int, reuse, seed_words)
+from ._options import dtype_code, positive_int, seed_words
+from .base import Compressor, as_float32, need_out, reuse
+from .payload import Payload, Reader, make_out, payload_nbytes
 from .int8 import MAX_BUCKET, bucket_option
 from ..errors import ConfigError, PayloadError
 

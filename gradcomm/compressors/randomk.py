@@ -24,8 +24,9 @@ import numpy as np
 
 from . import _kernels
 from ..arrays import assign, dtype_name, empty_like_kind, size
-from .base import (Payload, Reader, dtype_code, make_out,
-                   need_out, payload_nbytes, reuse, seed_words)
+from ._options import dtype_code, seed_words
+from .base import need_out, reuse
+from .payload import Payload, Reader, make_out, payload_nbytes
 from .topk import KeepsK
 from ..errors import PayloadError
 

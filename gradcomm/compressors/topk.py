@@ -27,8 +27,9 @@ import numpy as np
 
 from . import _kernels
 from ..arrays import assign, cast, dtype_name, size
-from .base import (Compressor, Payload, Reader, as_input, dtype_code, fused_kernels, make_out,
-                   need_out, payload_nbytes, reuse)
+from ._options import dtype_code
+from .base import Compressor, as_input, fused_kernels, need_out, reuse
+from .payload import Payload, Reader, make_out, payload_nbytes
 from ..errors import ConfigError, PayloadError
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gradcomm.compressors import get, names
-from gradcomm.compressors.base import MAX_COUNT, Payload
+from gradcomm.compressors import get, names, payload
+from gradcomm.compressors.payload import MAX_COUNT, Payload
 from gradcomm.errors import ConfigError, PayloadError
 
 DTYPES = ("float16", "float32", "float64")
@@ -347,8 +347,7 @@ def test_payload_count_is_bounded_without_out() -> None:
 
 
 def test_payload_count_bound_does_not_apply_with_out(monkeypatch: pytest.MonkeyPatch) -> None:
-    from gradcomm.compressors import base
-    monkeypatch.setattr(base, "MAX_COUNT", 1000)
+    monkeypatch.setattr(payload, "MAX_COUNT", 1000)
     c = get("randomk", k=1)
     p = c.compress(data(1001), seed=1)
     with pytest.raises(PayloadError, match="MAX_COUNT"):

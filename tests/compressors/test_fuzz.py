@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gradcomm.compressors import get
-from gradcomm.compressors.base import FLOAT_DTYPES, Payload
+from gradcomm.compressors.payload import FLOAT_DTYPES, Payload
 from gradcomm.errors import PayloadError
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")    # garbage values overflow

@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 
 import tests.compressors.test_codecs as common
-from gradcomm.compressors import get, names
-from gradcomm.compressors.base import Payload
+from gradcomm.compressors import Payload, get, names
 from gradcomm.compressors.powersgd import (Layout, PowerSGD, layout, left, matrix_shape,
                                            orthonormalize, product, random_factor, right)
 from gradcomm.error_feedback import contractive

@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 
 from gradcomm import arrays
-from gradcomm.compressors import get
-from gradcomm.compressors.base import Payload
+from gradcomm.compressors import Payload, get
 from gradcomm.errors import ConfigError, PayloadError
 
 torch = pytest.importorskip("torch")

@@ -117,15 +117,15 @@ def _with_shape(compressor: Any, meta: Any, options: dict[str, Any]) -> dict[str
     flat array keeps the codec's flat layout, and a caller's ``shape``/``shapes`` wins."""
     if len(meta.shape) < 2 or "shape" in options or "shapes" in options:
         return options
-    codec = compressor
-    if isinstance(compressor, str):
-        from . import compressors
+    from . import compressors
 
+    cls = type(compressor) if isinstance(compressor, compressors.Compressor) else None
+    if isinstance(compressor, str):
         try:
-            codec = compressors._load(compressor)      # the class: options checked later
+            cls = compressors._load(compressor)        # the class: options checked later
         except KeyError:
             return options                             # unknown name: reported later
-    if not getattr(codec, "uses_shape", False):
+    if cls is None or not cls.uses_shape:              # None: no codec, or reported later
         return options
     return {**options, "shape": meta.shape}
 

@@ -331,25 +331,15 @@ def contractive(codec: Any) -> bool:
     range), topk, randomk (not rescaled), onebit; QSGD when its variance bound
     ``min(d/s², √d/s) < 1`` (d = bucket size, s = levels; the default 512 / 127 gives
     0.03). Not: TernGrad (error up to ``max |v|`` per element), QSGD with few levels,
-    1-bit int8. A codec may say so itself with a ``contractive`` attribute.
+    1-bit int8. Each codec declares it (``Compressor.contractive``; int8 and QSGD set it
+    from their options).
 
     Example:
         >>> from gradcomm import compressors
         >>> contractive(compressors.get("topk")), contractive(compressors.get("terngrad"))
         (True, False)
     """
-    flag = getattr(codec, "contractive", None)
-    if flag is not None:
-        return bool(flag)
-    cfg = codec.get_config()
-    if codec.name == "terngrad":
-        return False
-    if codec.name == "qsgd":
-        d, s = cfg["bucket_size"], cfg["levels"]
-        return min(d / s ** 2, d ** 0.5 / s) < 1
-    if codec.name == "int8":
-        return int(cfg.get("bits", 8)) >= 2
-    return True
+    return bool(codec.contractive)
 
 
 def torch_safe_globals() -> list[Any]:

@@ -48,7 +48,6 @@ Example:
 
 from __future__ import annotations
 
-import inspect
 import math
 import zlib
 from typing import Any, Sequence
@@ -116,13 +115,6 @@ def _table(p: int, nbytes: int) -> str:
     return "rabenseifner" if p > 2 and p & (p - 1) == 0 else "ring"
 
 
-def _takes(fn: Any, name: str) -> bool:
-    try:
-        return name in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 def _wire(payload: Payload) -> Payload:
     """The payload as a receiver parses it off the wire."""
     return Payload.from_bytes(payload.to_bytes())
@@ -164,7 +156,7 @@ class _Rank:
         self.ef, self.key, self.max_parts = ef, key, max_parts
         self.partial_hops = self.final_hops = 0
         self.finished: dict[int, tuple[int, Payload]] = {}
-        self.add = _takes(codec.decompress, "add")
+        self.add = codec.decodes_add
 
     # seeds
     def _partial_seed(self, off: int, n: int, hop: int) -> tuple[int, ...]:
@@ -524,8 +516,8 @@ def _gathered(xs: list[np.ndarray], codec: Compressor, sparse: bool,
     if sparse:
         pairs = []
         for pl in payloads:
-            if _takes(getattr(codec, "to_sparse", None), "payload"):
-                _, _, i, v = codec.to_sparse(pl)            # type: ignore[attr-defined]
+            if codec.sparse_pairs:
+                _, _, i, v = codec.to_sparse(pl)
             else:
                 dec = np.asarray(codec.decompress(pl, out=np.empty(n, dt)), dt)
                 i = np.flatnonzero(dec)
@@ -538,8 +530,8 @@ def _gathered(xs: list[np.ndarray], codec: Compressor, sparse: bool,
             return np.asarray(codec.decompress_sum(payloads, out=out), dt)
         out[...] = codec.decompress(payloads[0], out=np.empty(n, dt))
         for pl in payloads[1:]:
-            if _takes(codec.decompress, "add"):
-                codec.decompress(pl, out=out, add=True)     # type: ignore[call-arg]
+            if codec.decodes_add:
+                codec.decompress(pl, out=out, add=True)
             else:
                 out += np.asarray(codec.decompress(pl, out=np.empty(n, dt)), dt)
     return out

@@ -96,8 +96,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
 import struct
 import threading
 import weakref
@@ -243,10 +241,8 @@ class _Layout:
 
 def max_nbytes(codec: Compressor, n: int, dtype: str) -> int:
     """Upper bound of ``codec``'s payload bytes for ``n`` elements of ``dtype``."""
-    fn = getattr(codec, "max_nbytes", None)
     try:
-        if fn is not None:
-            return int(fn(n, dtype))
+        return int(codec.max_nbytes(n, dtype))
     except UnsupportedError:
         if codec.lossy:
             raise
@@ -256,33 +252,12 @@ def max_nbytes(codec: Compressor, n: int, dtype: str) -> int:
     return codec.compress(np.zeros(n, dtype)).nbytes   # lossless: size depends on n only
 
 
-def is_sparse(codec: Compressor) -> bool:
-    """True if the codec's decoded output is mostly zeros (top-k style)."""
-    return bool(getattr(codec, "sparse", codec.name == "topk"))
-
-
 def _in_place(payload: Payload, views: dict[str, np.ndarray]) -> bool:
     """Whether every buffer of ``payload`` is exactly its template view (same order)."""
     if list(payload.buffers) != list(views):
         return False
     return all(b.nbytes == views[k].nbytes and b.ctypes.data == views[k].ctypes.data
                for k, b in payload.buffers.items())
-
-
-def _accepts(fn: Any, name: str) -> bool:
-    """Whether callable ``fn`` (a codec method) takes a parameter ``name`` (cached per
-    function: signatures cost tens of microseconds)."""
-    if fn is None:
-        return False
-    return _takes(getattr(fn, "__func__", fn), name)
-
-
-@functools.lru_cache(maxsize=256)
-def _takes(fn: Any, name: str) -> bool:
-    try:
-        return name in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 class _Seeds:
@@ -347,9 +322,9 @@ class CompressedWire:
         self._finished: dict[int, tuple[int, np.ndarray]] = {}   # offset -> (n, payload)
         self._partial_hops = 0
         self._final_hops = 0
-        self._reuse = _accepts(codec.compress, "out") and not self.device
-        self._fused = _accepts(codec.compress, "residual")     # fused EF / round trip
-        self._add = _accepts(codec.decompress, "add")     # fused decode-and-add
+        self._reuse = codec.reuses_out and not self.device
+        self._fused = codec.fuses_feedback              # fused EF / round trip
+        self._add = codec.decodes_add                   # fused decode-and-add
         self._codec_key = (type(codec), repr(sorted(codec.get_config().items())))
 
     # -- sizes ----------------------------------------------------------------------------
@@ -413,7 +388,7 @@ class CompressedWire:
             b0 = pos + lay.lead
             for name, dt, count, o in lay.buffers:
                 views[name] = frame[b0 + o:b0 + o + count * dt.itemsize].view(dt)
-            payload = self.codec.compress(x, seed=seed,  # type: ignore[call-arg]
+            payload = self.codec.compress(x, seed=seed,
                                           out=Payload(self.codec.name, {}, views), **fused)
         else:
             payload = self.codec.compress(x, seed=seed, **fused)
@@ -565,7 +540,7 @@ class CompressedWire:
                 seg += dec                      # IEEE addition commutes: order-free
             return
         try:
-            res = self.codec.decompress(payload, out=seg, add=True)  # type: ignore[call-arg]
+            res = self.codec.decompress(payload, out=seg, add=True)
         except PayloadError:
             raise
         except (ValueError, TypeError, IndexError, KeyError, OverflowError) as exc:
@@ -691,7 +666,7 @@ def route_times(p: int, n: int, c: int, itemsize: int, codec: Compressor,
     out = {per_hop: shapes[per_hop] if per_hop in shapes else shapes["ring"]}
     extra = {}
     if codec.reduction != "summable":
-        if is_sparse(codec):
+        if codec.sparse:
             out["sparse_allgather"] = (gather_msgs + 1, (p - 1) * c, n, 0.0)
             extra["sparse_allgather"] = copy * itemsize * n      # the zero fill
         else:
@@ -754,7 +729,7 @@ def auto_route(t: Transport, compressor: Any, n: int, dtype: str, *, device: boo
     if codec.name == "powersgd":
         return "auto"
     if device:
-        return "sparse_allgather" if is_sparse(codec) else "allgather"
+        return "sparse_allgather" if codec.sparse else "allgather"
     wdt = "float64" if dtype == "float64" else "float32"
     from .._dtypes import storage
 
@@ -799,7 +774,7 @@ def _gathered(t: Transport, x: np.ndarray, codec: Compressor, sparse: bool, seed
 
     n = arrays.size(x)
     wire = CompressedWire(codec, x, seeds, state=state)
-    pairs = _accepts(getattr(codec, "to_sparse", None), "payload")
+    pairs = codec.sparse_pairs
     size = wire.bound(n)
     e = ef.flat_residual(key, n, wire.dtype, like=x) if ef is not None and wire._fused \
         else None
@@ -807,9 +782,9 @@ def _gathered(t: Transport, x: np.ndarray, codec: Compressor, sparse: bool, seed
         # the key's residual e (if any) is fused into the codec's pass: y = x + e is
         # compressed and e = y - decode(y) left behind; x itself is not needed after
         if sparse and pairs:
-            payload = codec.compress(x, seed=seeds.whole(),   # type: ignore[call-arg]
+            payload = codec.compress(x, seed=seeds.whole(),
                                      **({} if e is None else {"residual": e}))
-            _, _, idx, vals = codec.to_sparse(payload)       # type: ignore[attr-defined]
+            _, _, idx, vals = codec.to_sparse(payload)
             _sparse_sum(t, idx, vals, x)
             return
         frame, data = wire._single(x, seeds.whole(), n, size, residual=e)
@@ -1015,7 +990,7 @@ def _run(t: Transport, buf: np.ndarray, dtype: str, op: str, algorithm: str,
         seeds = _Seeds(seed, step, key, t.rank, codec.shared_seed)
         name = algorithm
         if name == "auto" and not arrays.is_host(x):     # device: gather routes only
-            name = "sparse_allgather" if is_sparse(codec) else "allgather"
+            name = "sparse_allgather" if codec.sparse else "allgather"
         elif name == "auto":
             name = _choose(t, codec, n, x.dtype.name, buf.dtype.itemsize)
         if name in HOP_ALGORITHMS:
@@ -1060,4 +1035,4 @@ def _narrow(x: np.ndarray, buf: np.ndarray, dtype: str) -> np.ndarray:
 
 
 __all__ = ["COMPRESSED_ALGORITHMS", "CompressedWire", "GATHER_ALGORITHMS", "HOP_ALGORITHMS",
-           "auto_route", "compressed_allreduce", "is_sparse", "max_nbytes", "segment_codec"]
+           "auto_route", "compressed_allreduce", "max_nbytes", "segment_codec"]

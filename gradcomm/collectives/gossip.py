@@ -333,7 +333,7 @@ class Gossip:
                 raise UnsupportedError(
                     f"compressed (CHOCO) gossip needs a static topology; {self.topology.key} "
                     "changes its peer every step. Use 'ring', 'torus' or 'complete'")
-        lossy = self.compressor is not None and getattr(self.compressor, "lossy", True)
+        lossy = self.compressor is not None and self.compressor.lossy
         self.gamma = float(gamma) if gamma is not None else (0.4 if lossy else 1.0)
         if not 0.0 < self.gamma <= 1.0:
             raise ConfigError(f"gamma must be in (0, 1], got {gamma!r}")
@@ -391,7 +391,7 @@ class Gossip:
         # buf is a fresh copy (to_flat): for float32/64 it becomes the result in place
         x = buf if buf.dtype == acc_dt else _widen(buf, dtype, np.empty(n, acc_dt))
         diff = np.subtract(x, self._estimate, out=self._scratch.get("diff", n, acc_dt))
-        seed = (self.seed, step) if getattr(c, "shared_seed", False) else \
+        seed = (self.seed, step) if c.shared_seed else \
             (self.seed, step, t.rank)
         payload = c.compress(diff, seed=seed)
         data = payload.to_bytes()
@@ -412,13 +412,10 @@ class Gossip:
     def _bound(self, n: int, dtype: str) -> int:
         """Largest payload a peer may announce: the codec's ``max_nbytes`` when it
         declares one, else a generous 64 KiB + 3 float64 per value."""
-        fn = getattr(self.compressor, "max_nbytes", None)
-        if callable(fn):
-            try:
-                return int(fn(n, dtype))
-            except GradcommError:       # UnsupportedError: no declared bound
-                pass
-        return 64 * 1024 + 3 * 8 * n
+        try:
+            return int(self.compressor.max_nbytes(n, dtype))
+        except GradcommError:           # UnsupportedError: no declared bound
+            return 64 * 1024 + 3 * 8 * n
 
     def _exchange_payloads(self, data: np.ndarray, recv_from: tuple[int, ...],
                            send_to: tuple[int, ...], n: int, dtype: str) -> dict[int, Any]:

@@ -23,11 +23,15 @@ of 2+ dims is viewed as ``(shape[0], rest)`` (``allreduce``, ``Allreduce`` and t
 hook pass the shape); a flat one as a near-square matrix; parts too small to gain are
 sent uncompressed.
 
-Common contract: ``compress(x, *, seed=None, out=None) -> Payload`` for a flat float16/32/64
-numpy array (``out``: an earlier payload whose buffers may be reused); ``decompress(p,
-out=None)`` restores the input's dtype and count; ``decompress_sum(payloads, out=None)``;
-``max_nbytes(n, dtype)`` bounds ``compress(x).nbytes`` exactly; ``get_config()`` rebuilds
-the codec through :func:`get`. Stochastic codecs draw from a counter-based stream keyed by
+Common contract (:class:`~.base.Compressor`): ``compress(x, *, seed=None, out=None,
+residual=None, decoded=None) -> Payload`` for a flat float16/32/64 array (``out``: an
+earlier payload whose buffers may be reused; ``residual``/``decoded``: error feedback and
+the round trip, :func:`~.base.compose`); ``decompress(p, out=None, *, add=False)``
+restores the input's dtype and count (``add``: into ``out``); ``decompress_sum(payloads,
+out=None)``; ``max_nbytes(n, dtype)`` bounds ``compress(x).nbytes`` exactly;
+``get_config()`` rebuilds the codec through :func:`get`. What a codec can do beyond that
+(``sparse``, ``contractive``, ``uses_shape``, ``reuses_out``, ``fuses_feedback``, ...) is
+declared on its class. Stochastic codecs draw from a counter-based stream keyed by
 ``seed`` (None, an int or a tuple of ints): the same seed gives the same bytes anywhere.
 Decoding validates everything a peer sent and raises
 :class:`~gradcomm.errors.PayloadError` otherwise.
@@ -54,31 +58,32 @@ from typing import Any
 
 from .base import Compressor, Payload
 
-#: codec name -> module under gradcomm.compressors defining the class
-_MODULES = {
-    "none": "none", "fp16": "fp16", "bf16": "bf16", "int8": "int8", "qsgd": "qsgd",
-    "terngrad": "terngrad", "topk": "topk", "randomk": "randomk", "onebit": "onebit",
-    "powersgd": "powersgd",
+#: codec name -> (module under gradcomm.compressors, class defining it)
+_CLASSES = {
+    "none": ("none", "NoneCompressor"), "fp16": ("fp16", "Fp16Compressor"),
+    "bf16": ("bf16", "Bf16Compressor"), "int8": ("int8", "Int8Compressor"),
+    "qsgd": ("qsgd", "QSGDCompressor"), "terngrad": ("terngrad", "TernGradCompressor"),
+    "topk": ("topk", "TopKCompressor"), "randomk": ("randomk", "RandomKCompressor"),
+    "onebit": ("onebit", "OneBitCompressor"), "powersgd": ("powersgd", "PowerSGD"),
 }
 
 
 def names() -> tuple[str, ...]:
     """Names of the codecs this installation provides."""
-    return tuple(n for n in _MODULES if _load(n) is not None)
+    return tuple(n for n in _CLASSES if _load(n) is not None)
 
 
 def _load(name: str) -> type[Compressor] | None:
+    """The class of codec ``name`` (KeyError if unknown), None if its module is absent."""
+    module_name, cls_name = _CLASSES[name]
     try:
-        module = importlib.import_module(f"{__name__}.{_MODULES[name]}")
+        module = importlib.import_module(f"{__name__}.{module_name}")
     except ModuleNotFoundError as exc:
-        if exc.name == f"{__name__}.{_MODULES[name]}":
+        if exc.name == f"{__name__}.{module_name}":
             return None
         raise
-    for obj in vars(module).values():
-        if isinstance(obj, type) and issubclass(obj, Compressor) and \
-                getattr(obj, "name", None) == name:
-            return obj
-    return None
+    cls: type[Compressor] = vars(module)[cls_name]
+    return cls
 
 
 def get(name: str | Compressor, **options: Any) -> Compressor:
@@ -87,7 +92,7 @@ def get(name: str | Compressor, **options: Any) -> Compressor:
         if options:
             raise TypeError(f"options {sorted(options)} given with a Compressor instance")
         return name
-    cls = _load(name) if isinstance(name, str) and name in _MODULES else None
+    cls = _load(name) if isinstance(name, str) and name in _CLASSES else None
     if cls is None:
         raise KeyError(f"unknown compressor {name!r}; known: {', '.join(names())}")
     return cls(**options)

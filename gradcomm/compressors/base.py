@@ -33,11 +33,16 @@ from .payload import FLOAT_DTYPES, Payload
 class Compressor(ABC):
     """A stateless codec from a flat float array to a :class:`Payload` and back.
 
-    ``reduction`` says how payloads of several ranks combine:
-    ``"summable"`` — decoded payloads can be added and re-encoded hop by hop (the codec's
-    ``compress`` of a sum is meaningful and ``sum_payloads`` may combine without decoding);
-    ``"gathered"`` — payloads are gathered and decoded-and-summed.
-    ``shared_seed`` codecs need the same random stream on every rank.
+    What a codec can do is declared on its class (class attributes below, with
+    conservative defaults that a codec overrides to say what it has), never discovered
+    by inspecting its methods: the collectives, error feedback and entry points read
+    these attributes. ``reduction``, ``contractive`` and ``start_iter`` may depend on
+    options, so a codec may set them per instance in ``__init__``.
+
+    Subclasses implement :meth:`decompress`, :meth:`max_nbytes` and :meth:`_encode`
+    (``compress`` validates and composes around it) or ``compress`` itself; they may
+    override :meth:`decompress_sum` with a fused kernel, and :meth:`to_sparse` when they
+    declare ``sparse_pairs``.
 
     Example:
         >>> import numpy as np
@@ -45,13 +50,54 @@ class Compressor(ABC):
         >>> c = get("none")
         >>> c.decompress(c.compress(np.arange(3, dtype=np.float32))).tolist()
         [0.0, 1.0, 2.0]
+        >>> get("topk").sparse, get("int8").reduction, get("int8", scale=1.0).reduction
+        (True, 'gathered', 'summable')
     """
 
+    #: the registry name (``get(name)``) and the ``codec`` field of its payloads
     name: ClassVar[str]
-    reduction: ClassVar[str] = "gathered"
+    #: how payloads of several ranks combine: ``"summable"`` (decoded payloads can be
+    #: added and re-encoded hop by hop) or ``"gathered"`` (payloads are gathered and
+    #: decoded-and-summed)
+    reduction: str = "gathered"
+    #: every rank must draw from the same random stream (collectives leave the rank out
+    #: of the seed)
     shared_seed: ClassVar[bool] = False
-    #: True if decode(encode(x)) may differ from x (error feedback is worthwhile)
+    #: ``decode(encode(x))`` may differ from ``x`` (error feedback is worthwhile)
     lossy: ClassVar[bool] = True
+    #: ``||x - decode(encode(x))|| < ||x||``: error feedback around it stays bounded
+    #: (:func:`gradcomm.error_feedback.contractive`)
+    contractive: bool = True
+    #: the decoded output is mostly zeros: gathered routes send (index, value) pairs
+    sparse: ClassVar[bool] = False
+    #: :meth:`to_sparse` gives a payload's (index, value) pairs without decoding it
+    sparse_pairs: ClassVar[bool] = False
+    #: ``compress(x, out=p)`` writes into ``p``'s buffers where they fit, so a caller may
+    #: lay them out in its own frame (else ``out`` is not used)
+    reuses_out: ClassVar[bool] = False
+    #: ``compress(x, residual=, decoded=)`` runs in the codec's own encoding pass where a
+    #: kernel path allows (else the arguments are applied step by step: :func:`compose`;
+    #: the bytes are the same either way)
+    fuses_feedback: ClassVar[bool] = False
+    #: ``decompress(p, out=y, add=True)`` adds in the decoding pass (``y = decoded + y``);
+    #: else a caller decodes into scratch and adds
+    decodes_add: ClassVar[bool] = False
+    #: entry points pass ``shape=`` (of a 2+-dimensional input) to the collective, which
+    #: views a part by its shape
+    uses_shape: ClassVar[bool] = False
+    #: steps of a key sent uncompressed before compression starts
+    start_iter: int = 0
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "name" in vars(cls):
+            if not isinstance(cls.name, str) or not cls.name:
+                raise TypeError(f"{cls.__name__}.name must be a non-empty str")
+            if cls.reduction not in ("summable", "gathered"):
+                raise TypeError(f"{cls.__name__}.reduction must be 'summable' or "
+                                f"'gathered', got {cls.reduction!r}")
+            if cls.sparse_pairs and not cls.sparse:
+                raise TypeError(f"{cls.__name__} declares sparse_pairs without sparse")
 
     def get_config(self) -> dict[str, Any]:
         """The options that rebuild this compressor with ``get(name, **config)``."""
@@ -64,35 +110,37 @@ class Compressor(ABC):
         the payload's buffers are then of that kind, made by the device kernels).
 
         With ``residual`` e, encode ``y = x + e`` and leave ``e = y − decode``; with
-        ``decoded``, leave ``decode`` there (may be ``x``): one fused pass where the kernel
-        path has one, else step by step with the same bytes (:func:`compose`). ``out``: an
-        earlier payload whose buffers may be reused. Codecs implement :meth:`_encode`.
+        ``decoded``, leave ``decode`` there (may be ``x``): one fused pass where the codec
+        declares ``fuses_feedback`` and the kernel path has one, else step by step with
+        the same bytes (:func:`compose`). ``out``: an earlier payload whose buffers may be
+        reused (``reuses_out``).
         """
         x = as_input(x, self.name)
         fk = None
         if residual is not None or decoded is not None:
             fk = fused_kernels(x, residual, decoded, self.name)
-            if fk is None:
+            if fk is None or not self.fuses_feedback:
                 return compose(self, x, seed, out, residual, decoded)
         return self._encode(x, seed, out, fk, residual, decoded)
 
     def _encode(self, x: Any, seed: Any, out: Payload | None, fk: Any, residual: Any,
                 decoded: Any) -> Payload:
         """Encode validated flat ``x``; ``fk``: the fused kernel module that also applies
-        ``residual`` / ``decoded`` (None: plain encode)."""
+        ``residual`` / ``decoded`` (None: plain encode). A codec defines this, or
+        overrides :meth:`compress` itself."""
         raise NotImplementedError(f"{type(self).__name__} must define compress or _encode")
 
     @abstractmethod
-    def decompress(self, payload: Payload, out: np.ndarray | None = None) -> np.ndarray:
-        """Decode a (validated) payload to a flat array of its original dtype."""
+    def decompress(self, payload: Payload, out: Any = None, *, add: bool = False) -> Any:
+        """Decode a (validated) payload to a flat array of its original dtype, into
+        ``out`` if given (new otherwise); ``add``: ``out = decoded + out`` (needs ``out``)."""
 
     def max_nbytes(self, n: int, dtype: str = "float32") -> int:
         """Exact upper bound of ``compress(x).nbytes`` for any ``x`` of ``n`` ``dtype``
         elements (receivers post buffers of this size)."""
         raise UnsupportedError(f"compressor {self.name!r} does not declare max_nbytes")
 
-    def decompress_sum(self, payloads: Sequence[Payload], out: np.ndarray | None = None
-                       ) -> np.ndarray:
+    def decompress_sum(self, payloads: Sequence[Payload], out: Any = None) -> Any:
         """Sum of the decoded payloads (codecs override this with fused kernels)."""
         total = self.decompress(payloads[0], out)
         for p in payloads[1:]:
@@ -100,6 +148,12 @@ class Compressor(ABC):
             with np.errstate(invalid="ignore", over="ignore"):
                 total += self.decompress(p, out=part)
         return total
+
+    def to_sparse(self, payload: Payload, out: Any = None
+                  ) -> tuple[int, np.dtype, Any, Any]:
+        """``(n, dtype, indices, values)`` of a payload, for codecs that declare
+        ``sparse_pairs``."""
+        raise UnsupportedError(f"compressor {self.name!r} does not declare sparse_pairs")
 
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())

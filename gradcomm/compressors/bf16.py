@@ -30,6 +30,9 @@ class Bf16Compressor(Compressor):
 
     name = "bf16"
     reduction = "summable"
+    reuses_out = True
+    fuses_feedback = True
+    decodes_add = True
 
     def _encode(self, x: Any, seed: Any, out: Payload | None, fk: Any, residual: Any,
                 decoded: Any) -> Payload:
@@ -40,7 +43,7 @@ class Bf16Compressor(Compressor):
             _kernels.for_array(x).f32_to_bf16(as_float32(x), v)
         return Payload(self.name, {"n": size(x), "dt": dtype_code(dtype_name(x))}, {"v": v})
 
-    def decompress(self, payload: Payload, out: np.ndarray | None = None,
+    def decompress(self, payload: Payload, out: np.ndarray | None = None, *,
                    add: bool = False) -> np.ndarray:
         """Decode into ``out`` (new if None); ``add``: ``out = decoded + out``."""
         need_out(add, out, self.name)

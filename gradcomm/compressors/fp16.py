@@ -32,6 +32,9 @@ class Fp16Compressor(Compressor):
 
     name = "fp16"
     reduction = "summable"
+    reuses_out = True
+    fuses_feedback = True
+    decodes_add = True
 
     def _encode(self, x: Any, seed: Any, out: Payload | None, fk: Any, residual: Any,
                 decoded: Any) -> Payload:
@@ -47,7 +50,7 @@ class Fp16Compressor(Compressor):
             _numpy.f32_to_f16(x, v.view(np.uint16))
         return Payload(self.name, {"n": n, "dt": dtype_code(dt)}, {"v": v})
 
-    def decompress(self, payload: Payload, out: np.ndarray | None = None,
+    def decompress(self, payload: Payload, out: np.ndarray | None = None, *,
                    add: bool = False) -> np.ndarray:
         """Decode into ``out`` (new if None); ``add``: ``out = decoded + out``."""
         need_out(add, out, self.name)

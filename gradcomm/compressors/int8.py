@@ -68,12 +68,17 @@ class Int8Compressor(Compressor):
 
     name = "int8"
     reduction = "gathered"
+    reuses_out = True
+    fuses_feedback = True
+    decodes_add = True
 
     def __init__(self, bits: int = 8, bucket_size: int = 1024, rounding: str = "nearest",
                  scale: float | None = None) -> None:
         self.bits = positive_int("bits", bits, 1, 8)
         self.bucket_size = bucket_option(bucket_size)
         self.rounding = one_of("rounding", rounding, ("nearest", "stochastic"))
+        #: error <= one level of the bucket's range from 2 bits up; 1 bit is not a contraction
+        self.contractive = self.bits >= 2
         if scale is not None:
             if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating)) \
                     or not math.isfinite(scale) or scale <= 0:
@@ -116,7 +121,7 @@ class Int8Compressor(Compressor):
             k.minmax_encode(x32, *args)
         return Payload(self.name, header, {"lo": lo, "unit": unit, "q": q})
 
-    def decompress(self, payload: Payload, out: np.ndarray | None = None,
+    def decompress(self, payload: Payload, out: np.ndarray | None = None, *,
                    add: bool = False) -> np.ndarray:
         """Decode into ``out`` (new if None); ``add``: ``out = decoded + out``."""
         need_out(add, out, self.name)

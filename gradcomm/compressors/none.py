@@ -28,14 +28,25 @@ class NoneCompressor(Compressor):
     name = "none"
     reduction = "summable"
     lossy = False
+    decodes_add = True
 
-    def compress(self, x: Any, *, seed: Sequence[int] | int | None = None) -> Payload:
+    def compress(self, x: Any, *, seed: Sequence[int] | int | None = None,
+                 out: Payload | None = None, residual: Any = None,
+                 decoded: Any = None) -> Payload:
+        """A payload whose buffer is ``x`` itself (flat, no copy; ``out`` is not used);
+        ``residual`` / ``decoded`` are applied step by step (:func:`.base.compose`)."""
+        if residual is not None or decoded is not None:
+            return super().compress(x, seed=seed, residual=residual, decoded=decoded)
+        return self._encode(x, seed, None, None, None, None)
+
+    def _encode(self, x: Any, seed: Any, out: Payload | None, fk: Any, residual: Any,
+                decoded: Any) -> Payload:
         return Payload(self.name, {"n": size(x)}, {"values": flat(x)})
 
     def max_nbytes(self, n: int, dtype: str = "float32") -> int:
         return payload_nbytes(self.name, {"n": n}, [("values", dtype, n)])
 
-    def decompress(self, payload: Payload, out: np.ndarray | None = None,
+    def decompress(self, payload: Payload, out: np.ndarray | None = None, *,
                    add: bool = False) -> np.ndarray:
         """The values (a copy, or in ``out``); ``add``: ``out = values + out``."""
         need_out(add, out, self.name)

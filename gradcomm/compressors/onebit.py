@@ -33,6 +33,9 @@ class OneBitCompressor(Bucketed):
 
     name = "onebit"
     reduction = "gathered"
+    reuses_out = True
+    fuses_feedback = True
+    decodes_add = True
 
     def __init__(self, bucket_size: int = 2048) -> None:
         super().__init__(bucket_size)
@@ -50,7 +53,7 @@ class OneBitCompressor(Bucketed):
         return Payload(self.name, {"n": n, "dt": dtype_code(dtype_name(x)), "bs": bs},
                        {"pos": pos, "neg": neg, "q": q})
 
-    def decompress(self, payload: Payload, out: np.ndarray | None = None,
+    def decompress(self, payload: Payload, out: np.ndarray | None = None, *,
                    add: bool = False) -> np.ndarray:
         """Decode into ``out`` (new if None); ``add``: ``out = decoded + out``."""
         need_out(add, out, self.name)

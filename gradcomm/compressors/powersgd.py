@@ -53,7 +53,7 @@ from typing import Any, NamedTuple, Sequence
 import numpy as np
 
 from ._options import dtype_code, positive_int, seed_words
-from .base import Compressor, as_input, reuse
+from .base import Compressor, need_out, reuse
 from .payload import Payload, Reader, make_out, payload_nbytes
 from ..errors import ConfigError, PayloadError
 
@@ -192,6 +192,8 @@ class PowerSGD(Compressor):
     contractive = True
     #: the collective views a part by its shape: entry points pass ``shape=`` (2+ dims)
     uses_shape = True
+    reuses_out = True
+    decodes_add = True
 
     def __init__(self, rank: int = 1, min_compression_rate: float = 2.0, start_iter: int = 0,
                  warm_start: bool = True) -> None:
@@ -216,9 +218,10 @@ class PowerSGD(Compressor):
         return layout(n, shape, rank=self.rank, min_compression_rate=self.min_compression_rate)
 
     # -- the stateless codec --------------------------------------------------------------
-    def compress(self, x: np.ndarray, *, seed: Sequence[int] | int | None = None,
-                 out: Payload | None = None) -> Payload:
-        x = as_input(x, self.name)
+    def _encode(self, x: np.ndarray, seed: Sequence[int] | int | None, out: Payload | None,
+                fk: Any, residual: Any, decoded: Any) -> Payload:
+        """One power iteration from the seed's ``Q`` (``residual`` and ``decoded`` are
+        applied around it by :meth:`compress`: this codec does not fuse them)."""
         n, lay = x.size, self.layout(x.size)
         wdt = work_dtype(x.dtype)
         header = {"n": n, "dt": dtype_code(x.dtype), "rows": lay.rows, "cols": lay.cols,
@@ -235,7 +238,11 @@ class PowerSGD(Compressor):
             v[...] = x
         return Payload(self.name, header, {"p": pt.reshape(-1), "q": qt.reshape(-1), "v": v})
 
-    def decompress(self, payload: Payload, out: np.ndarray | None = None) -> np.ndarray:
+    def decompress(self, payload: Payload, out: np.ndarray | None = None, *,
+                   add: bool = False) -> np.ndarray:
+        """Decode into ``out`` (new if None); ``add``: ``out = decoded + out`` (the
+        product is formed in scratch first)."""
+        need_out(add, out, self.name)
         rd = Reader(payload, self.name, ("n", "dt", "rows", "cols", "r"), ("p", "q", "v"))
         dt = rd.dtype()
         n = rd.int("n", 0, 1 << 62)
@@ -250,10 +257,14 @@ class PowerSGD(Compressor):
         qt = rd.buffer("q", wdt.name, lay.r * lay.cols).reshape(lay.r, lay.cols)
         v = rd.buffer("v", dt.name, 0 if lay.r else n)
         out = make_out(out, n, dt)
+        dec = np.empty(n, dt) if add else out
         if lay.r:
-            product(pt, qt, lay, out)
+            product(pt, qt, lay, dec)
         else:
-            out[...] = v
+            dec[...] = v
+        if add:
+            with np.errstate(invalid="ignore", over="ignore"):
+                out += dec                      # IEEE addition commutes
         return out
 
     def max_nbytes(self, n: int, dtype: str = "float32") -> int:

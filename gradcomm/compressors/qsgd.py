@@ -45,6 +45,9 @@ class QSGDCompressor(Compressor):
 
     name = "qsgd"
     reduction = "gathered"
+    reuses_out = True
+    fuses_feedback = True
+    decodes_add = True
 
     def __init__(self, levels: int | None = None, bits: int | None = None,
                  bucket_size: int = 512) -> None:
@@ -55,6 +58,9 @@ class QSGDCompressor(Compressor):
             levels = (1 << (positive_int("bits", bits, 2, 8) - 1)) - 1
         self.levels = positive_int("levels", 127 if levels is None else levels, 1, MAX_LEVELS)
         self.bucket_size = bucket_option(bucket_size)
+        #: a contraction when the variance bound min(d/s^2, sqrt(d)/s) < 1 (d = bucket size)
+        d, s = self.bucket_size, self.levels
+        self.contractive = min(d / s ** 2, d ** 0.5 / s) < 1
 
     def get_config(self) -> dict[str, Any]:
         return {"levels": self.levels, "bucket_size": self.bucket_size}
@@ -73,7 +79,7 @@ class QSGDCompressor(Compressor):
         return Payload(self.name, {"n": n, "dt": dtype_code(dtype_name(x)), "s": s, "bs": bs},
                        {"norm": norm, "q": q})
 
-    def decompress(self, payload: Payload, out: np.ndarray | None = None,
+    def decompress(self, payload: Payload, out: np.ndarray | None = None, *,
                    add: bool = False) -> np.ndarray:
         """Decode into ``out`` (new if None); ``add``: ``out = decoded + out``."""
         need_out(add, out, self.name)

@@ -70,7 +70,7 @@ class RandomKCompressor(KeepsK):
             raise PayloadError(f"randomk payload: key {key!r} is not four uint32 words")
         return n, dt, tuple(key), r.buffer("v", dt.name, k)
 
-    def decompress(self, payload: Payload, out: np.ndarray | None = None,
+    def decompress(self, payload: Payload, out: np.ndarray | None = None, *,
                    add: bool = False) -> np.ndarray:
         """Decode into ``out`` (new if None); ``add``: scatter-add into ``out`` as it is."""
         need_out(add, out, self.name)

@@ -34,6 +34,11 @@ class TernGradCompressor(Bucketed):
 
     name = "terngrad"
     reduction = "gathered"
+    #: an element's error reaches the bucket's largest magnitude: not a contraction
+    contractive = False
+    reuses_out = True
+    fuses_feedback = True
+    decodes_add = True
 
     def __init__(self, bucket_size: int = 512) -> None:
         super().__init__(bucket_size)
@@ -51,7 +56,7 @@ class TernGradCompressor(Bucketed):
         return Payload(self.name, {"n": n, "dt": dtype_code(dtype_name(x)), "bs": bs},
                        {"scale": scale, "q": q})
 
-    def decompress(self, payload: Payload, out: np.ndarray | None = None,
+    def decompress(self, payload: Payload, out: np.ndarray | None = None, *,
                    add: bool = False) -> np.ndarray:
         """Decode into ``out`` (new if None); ``add``: ``out = decoded + out``."""
         need_out(add, out, self.name)

@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from typing import Any, Sequence
 
 import numpy as np
@@ -62,7 +63,12 @@ def index_dtype(n: int) -> str:
 
 class KeepsK(Compressor):
     """A codec that keeps ``k`` of ``n`` elements: options ``ratio=`` or ``k=``
-    (:func:`k_options`)."""
+    (:func:`k_options`). Error feedback and the round trip are applied in its own pass
+    (no decoding), and decoding scatters (``add=True``: scatter-adds)."""
+
+    reuses_out = True
+    fuses_feedback = True
+    decodes_add = True
 
     def __init__(self, ratio: float | None = None, k: int | None = None) -> None:
         self.ratio, self.k = k_options(ratio, k)
@@ -96,10 +102,10 @@ class KeepsK(Compressor):
             decoded[idx] = v
         return Payload(self.name, header, buffers)
 
+    @abstractmethod
     def _keep(self, x: Any, n: int, dt: str, seed: Any, out: Payload | None
               ) -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
         """(kept indices, kept values, payload header, payload buffers) of flat ``x``."""
-        raise NotImplementedError
 
 
 class TopKCompressor(KeepsK):
@@ -109,6 +115,7 @@ class TopKCompressor(KeepsK):
     reduction = "gathered"
     #: decoded output is mostly zeros (collectives may use sparse_allgather)
     sparse = True
+    sparse_pairs = True
 
     def _keep(self, x: Any, n: int, dt: str, seed: Any, out: Payload | None
               ) -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
@@ -130,7 +137,7 @@ class TopKCompressor(KeepsK):
         k = r.int("k", 0, n)
         return n, dt, r.buffer("i", index_dtype(n), k), r.buffer("v", dt.name, k)
 
-    def decompress(self, payload: Payload, out: np.ndarray | None = None,
+    def decompress(self, payload: Payload, out: np.ndarray | None = None, *,
                    add: bool = False) -> np.ndarray:
         """Decode into ``out`` (new if None); ``add``: scatter-add into ``out`` as it is."""
         need_out(add, out, self.name)

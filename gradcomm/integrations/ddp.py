@@ -513,7 +513,7 @@ class CommHookState:
         c = self.compressor
         if self.transport.size == 1 or not x.size:
             return 0
-        if self.iter < getattr(c, "start_iter", 0):
+        if self.iter < c.start_iter:
             return x.nbytes
         return sum(wire_values(parts_of(x.size, unit.key, c, unit))) * x.itemsize
 

@@ -25,7 +25,6 @@ from tests.integrations.scripts.ddp_checks import (CAP, INFO, batch, fail, flat_
                                                    same_everywhere)
 
 import gradcomm
-from gradcomm.collectives.compressed import is_sparse
 from gradcomm.integrations import ddp as ddp_hook
 
 #: codecs checked, with options that keep a small model's buckets meaningful
@@ -82,7 +81,7 @@ def check_parity(steps: int = 4) -> None:
     residuals are tensors on the device path; identical parameters on every rank."""
     report = []
     for codec in CODECS:
-        gather = "sparse_allgather" if is_sparse(gradcomm.compressors.get(codec)) \
+        gather = "sparse_allgather" if gradcomm.compressors.get(codec).sparse \
             else "allgather"
         pairs = [("allgather", "allgather"), ("auto", gather)]
         if codec in ("int8", "onebit"):          # per hop: hop residuals on the device

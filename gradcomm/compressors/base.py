@@ -26,6 +26,8 @@ import numpy as np
 
 from .. import arrays
 from ..errors import ConfigError, UnsupportedError
+from . import _kernels
+from ._kernels import FusedKernels
 from .payload import FLOAT_DTYPES, Payload
 
 
@@ -185,7 +187,8 @@ def as_input(x: Any, name: str) -> Any:
     return arrays.flat(x)
 
 
-def fused_kernels(x: np.ndarray, residual: Any, decoded: Any, name: str) -> Any:
+def fused_kernels(x: np.ndarray, residual: Any, decoded: Any, name: str
+                  ) -> FusedKernels | None:
     """Validate ``compress(x, residual=, decoded=)`` arguments; the kernel module that
     fuses them for ``x`` (float32, writable, on a path with fused encoders), else None
     (the codec then composes: :func:`compose`).
@@ -220,10 +223,8 @@ def fused_kernels(x: np.ndarray, residual: Any, decoded: Any, name: str) -> Any:
         raise ConfigError(f"{name}.compress: residual must not overlap x")
     if x.dtype != np.float32 or not x.flags.writeable:
         return None
-    from . import _kernels
-
     k = _kernels.for_size(x.size)
-    return k if getattr(k, "FUSED", False) else None
+    return k if k.FUSED else None                       # type: ignore[return-value]
 
 
 def compose(codec: Compressor, x: np.ndarray, seed: Any, out: Any, residual: Any,

@@ -38,7 +38,7 @@ class Bf16Compressor(Compressor):
                 decoded: Any) -> Payload:
         v = reuse(out, "v", np.uint16, size(x), x)
         if fk is not None:
-            fk.fused("bf16", x, (v,), residual, decoded)
+            fk.f32_to_bf16_fused(x, v, residual, decoded)
         else:
             _kernels.for_array(x).f32_to_bf16(as_float32(x), v)
         return Payload(self.name, {"n": size(x), "dt": dtype_code(dtype_name(x))}, {"v": v})

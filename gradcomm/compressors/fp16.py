@@ -41,7 +41,7 @@ class Fp16Compressor(Compressor):
         n, dt = size(x), dtype_name(x)
         v = reuse(out, "v", np.float16, n, x)
         if fk is not None:
-            fk.fused("f16", x, (v.view(np.uint16),), residual, decoded)
+            fk.f32_to_f16_fused(x, v.view(np.uint16), residual, decoded)
         elif dt == "float16":
             assign(v, x)
         elif dt == "float32" or not is_host(x):

@@ -107,8 +107,8 @@ class Int8Compressor(Compressor):
         header = self._header(n, dtype_code(dtype_name(x)))
         if self.scale is not None:
             if fk is not None:
-                fk.fused("fixed", x32, (self.bits, self.scale, stochastic, key, q), residual,
-                         decoded)
+                fk.fixed_encode_fused(x32, self.bits, self.scale, stochastic, key, q, residual,
+                                      decoded)
             else:
                 k.fixed_encode(x32, self.bits, self.scale, stochastic, key, q)
             return Payload(self.name, header, {"q": q})
@@ -116,7 +116,7 @@ class Int8Compressor(Compressor):
         lo, unit = reuse(out, "lo", np.float32, nb, x), reuse(out, "unit", np.float32, nb, x)
         args = (self.bucket_size, self.bits, stochastic, key, lo, unit, q)
         if fk is not None:
-            fk.fused("minmax", x32, args, residual, decoded)
+            fk.minmax_encode_fused(x32, *args, residual, decoded)
         else:
             k.minmax_encode(x32, *args)
         return Payload(self.name, header, {"lo": lo, "unit": unit, "q": q})

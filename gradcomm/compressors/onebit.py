@@ -47,7 +47,7 @@ class OneBitCompressor(Bucketed):
         pos, neg = reuse(out, "pos", np.float32, nb, x), reuse(out, "neg", np.float32, nb, x)
         q = reuse(out, "q", np.uint8, (n + 7) // 8, x)
         if fk is not None:
-            fk.fused("onebit", x, (bs, pos, neg, q), residual, decoded)
+            fk.onebit_encode_fused(x, bs, pos, neg, q, residual, decoded)
         else:
             _kernels.for_array(x).onebit_encode(as_float32(x), bs, pos, neg, q)
         return Payload(self.name, {"n": n, "dt": dtype_code(dtype_name(x)), "bs": bs},

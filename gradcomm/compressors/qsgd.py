@@ -73,7 +73,7 @@ class QSGDCompressor(Compressor):
         q = reuse(out, "q", np.uint8, (n * bits + 7) // 8, x)
         args = (bs, s, bits, True, seed_words(seed), norm, q)
         if fk is not None:
-            fk.fused("signlevel", x, args, residual, decoded)
+            fk.signlevel_encode_fused(x, *args, residual, decoded)
         else:
             _kernels.for_array(x).signlevel_encode(as_float32(x), *args)
         return Payload(self.name, {"n": n, "dt": dtype_code(dtype_name(x)), "s": s, "bs": bs},

@@ -50,7 +50,7 @@ class TernGradCompressor(Bucketed):
         q = reuse(out, "q", np.uint8, (n * 2 + 7) // 8, x)
         args = (bs, 1, 2, False, seed_words(seed), scale, q)
         if fk is not None:
-            fk.fused("signlevel", x, args, residual, decoded)
+            fk.signlevel_encode_fused(x, *args, residual, decoded)
         else:
             _kernels.for_array(x).signlevel_encode(as_float32(x), *args)
         return Payload(self.name, {"n": n, "dt": dtype_code(dtype_name(x)), "bs": bs},

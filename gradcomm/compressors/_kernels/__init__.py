@@ -1,7 +1,8 @@
 """Codec kernels: a pure-numpy path that is always correct, a numba path that is fast, and
 an array-generic path (``xp``) that runs on cupy and torch arrays, CPU or CUDA.
 
-Both implement the same functions with the same floating-point operations in the same
+All three implement the same functions (:class:`~._protocol.Kernels`; numba also
+:class:`~._protocol.FusedKernels`) with the same floating-point operations in the same
 order, so they produce identical bytes (tested). :func:`get` returns the numba module when
 numba is installed (the ``fast`` extra) and the numpy module otherwise; the environment
 variable ``GRADCOMM_KERNELS=numpy|numba|auto`` overrides the choice. Codecs call
@@ -30,8 +31,10 @@ from __future__ import annotations
 import importlib
 import os
 from types import ModuleType
+from typing import Any
 
 from ...errors import ConfigError
+from ._protocol import FusedKernels, Kernels
 
 _cache: dict[str, ModuleType | None] = {}
 #: smallest array the automatic choice sends to the numba path
@@ -60,7 +63,7 @@ def _xp_usable() -> bool:
         _load("xp") is not None
 
 
-def get(name: str | None = None) -> ModuleType:
+def get(name: str | None = None) -> Kernels:
     """The kernel module ``name`` ("numpy", "numba", "xp", or None/"auto" for the best
     one)."""
     name = name or os.environ.get("GRADCOMM_KERNELS", "auto") or "auto"
@@ -77,14 +80,14 @@ def get(name: str | None = None) -> ModuleType:
     return mod
 
 
-def _xp_module() -> ModuleType:
+def _xp_module() -> Kernels:
     if not _xp_usable():
         raise ConfigError("codecs on cupy arrays and torch tensors need array-api-compat "
                           "(pip install 'gradcomm[torch]' or 'gradcomm[gpu]')")
     return _load("xp")  # type: ignore[return-value]
 
 
-def for_array(a) -> ModuleType:
+def for_array(a: Any) -> Kernels:
     """The kernel module for array ``a``: :func:`for_size` for numpy, :mod:`._xp` for cupy
     arrays and torch tensors (any device).
 
@@ -100,7 +103,7 @@ def for_array(a) -> ModuleType:
     return _xp_module()
 
 
-def for_size(n: int) -> ModuleType:
+def for_size(n: int) -> Kernels:
     """The kernel module for an array of ``n`` elements (see :data:`FAST_MIN`)."""
     name = os.environ.get("GRADCOMM_KERNELS", "auto") or "auto"
     if name == "auto" and n < FAST_MIN:
@@ -108,7 +111,7 @@ def for_size(n: int) -> ModuleType:
     return get(name)
 
 
-def f32_target(out):
+def f32_target(out: Any) -> Any:
     """Where a float32 kernel writes a result meant for ``out`` (``out`` itself if
     float32), any array kind."""
     from ... import arrays
@@ -117,7 +120,7 @@ def f32_target(out):
     return arrays.empty_like_kind(out, arrays.size(out), "float32")
 
 
-def f32_finish(tmp, out, k: ModuleType, add: bool = False):
+def f32_finish(tmp: Any, out: Any, k: Kernels, add: bool = False) -> Any:
     """Round the float32 ``tmp`` into ``out`` (float16 through ``k``'s canonical cast);
     with ``add``, ``out = rounded + out`` instead (a float32 ``out`` is the kernel's own
     target: its kernel already added). Any array kind."""

@@ -10,6 +10,7 @@ JIT-compiled on first use and cached on disk (``cache=True``).
 from __future__ import annotations
 
 import sys
+from enum import IntEnum
 
 import numpy as np
 from llvmlite import ir
@@ -27,10 +28,42 @@ _KEY_NINF = np.int32(-0x7F800001)
 _FLT_MAX = float(np.finfo(np.float32).max)
 LANES = 64
 _JIT = dict(cache=True, nogil=True, error_model="numpy")
-#: this module has fused encoders: ``y = x + e`` is encoded; then ``e = y - decode`` and/or
-#: ``d = decode`` in the same pass over each bucket (see :func:`fused`)
+#: this module has fused encoders (the ``*_fused`` functions): ``y = x + e`` is encoded;
+#: then ``e = y - decode`` and/or ``d = decode`` in the same pass over each bucket
 FUSED = True
 _NONE32 = np.zeros(1, np.float32)                      # stands for an absent e or d
+
+
+class Fuse(IntEnum):
+    """What one pass of an encoder does beside encoding: the kernels' ``mode`` (passed as
+    an int; the plain encoders pass ``e = d = None`` with PLAIN, which numba compiles
+    apart, the error-feedback code pruned)."""
+
+    PLAIN = 0               #: encode x
+    RESIDUAL = 1            #: encode y = x + e, then e = y - decoded
+    DECODED = 2             #: d = decoded
+    BOTH = 3                #: RESIDUAL and DECODED
+    DECODED_INTO_X = 6      #: DECODED with d = x (16-bit casts: an aliased d defeats
+    BOTH_INTO_X = 7         #: BOTH with d = x      vectorization, so x is written instead)
+
+
+_PLAIN = Fuse.PLAIN.value                               # the plain encoders' mode
+
+
+def _mode(x: np.ndarray, residual: np.ndarray | None, decoded: np.ndarray | None,
+          into_x: bool = False) -> tuple[int, np.ndarray, np.ndarray]:
+    """``(mode, e, d)`` for a fused call: absent arrays stand in as ``_NONE32``; with
+    ``into_x`` (the 16-bit casts) a ``decoded`` that is ``x`` itself is written as x."""
+    mode = Fuse.PLAIN
+    if residual is not None:
+        mode = Fuse.RESIDUAL
+    if decoded is not None:
+        mode = Fuse.BOTH if mode == Fuse.RESIDUAL else Fuse.DECODED
+        if into_x and decoded.ctypes.data == x.ctypes.data:
+            mode = Fuse.BOTH_INTO_X if mode == Fuse.BOTH else Fuse.DECODED_INTO_X
+            decoded = None
+    return (int(mode), _NONE32 if residual is None else residual,
+            _NONE32 if decoded is None else decoded)
 
 
 # --- random stream --------------------------------------------------------------------
@@ -74,7 +107,9 @@ def _fill_words(key, block0, out):
         _put_block(k, np.uint64(block0 + j), out, j)
 
 
-def philox_words(key: np.ndarray, start: int, count: int) -> np.ndarray:
+def philox_words(key: np.ndarray, start: int, count: int, like: object = None) -> np.ndarray:
+    """Words ``start .. start+count-1`` of the Philox4x32-10 stream keyed by ``key`` (host
+    arrays: ``like`` is not used here)."""
     b0 = start // 4
     nblk = (start + count + 3) // 4 - b0
     buf = np.empty(nblk * 4, np.uint32)
@@ -197,6 +232,17 @@ def unpack(packed: np.ndarray, n: int, bits: int) -> np.ndarray:
     return out
 
 
+def dither(key: np.ndarray, start: int, count: int, like: object = None) -> np.ndarray:
+    """float32 dither ``(d + 0.5) / 2^16`` of elements ``start .. start+count-1``, from
+    this module's stream (the encoders draw it inline, bucket by bucket)."""
+    if count == 0:
+        return np.zeros(0, np.float32)
+    w0 = start // 2
+    words = philox_words(key, w0, (start + count + 1) // 2 - w0)
+    d = words.view(np.uint16)[start - 2 * w0:start - 2 * w0 + count]
+    return d.astype(np.float32) * np.float32(2.0 ** -16) + np.float32(2.0 ** -17)
+
+
 # --- float casts ------------------------------------------------------------------------
 
 def _unary(name, src, dst, op):
@@ -246,57 +292,59 @@ def _bf16_round(y):
 
 
 @njit(inline="always", **_JIT)
-def _round16(y, bf16):
-    """``_bf16_round(y)`` if ``bf16`` is True, ``_f16_round(y)`` if it is None (the two
-    types compile apart: no branch is left in the loops)."""
-    if bf16 is None:
-        return _f16_round(y)
-    return _bf16_round(y)
-
-
-@njit(**_JIT)
-def _round16_encode(x, v, e, d, mode, bf16):
-    """v = the 16-bit codes of y (x, + e under mode & 1), e = y - decoded (mode & 1),
-    decoded into d (mode & 2) or into x (mode & 4: an aliased d defeats vectorization).
-    One loop per mode."""
+def _round16_loop(x, v, e, d, mode, rnd):
+    """v = the 16-bit codes of y (x, + e under RESIDUAL), e = y - decoded (RESIDUAL),
+    decoded into d (DECODED) or into x (the INTO_X modes), ``rnd`` giving (bits, their
+    float32 value) of a float32. One loop per mode (inlined into each cast's kernel, so
+    ``rnd`` is fixed there and no branch is left in the loops)."""
     n = x.size
-    if mode == 0:
+    if mode == Fuse.PLAIN:
         for i in range(n):
-            v[i] = _round16(x[i], bf16)[0]
-    elif mode == 1:
+            v[i] = rnd(x[i])[0]
+    elif mode == Fuse.RESIDUAL:
         for i in range(n):
             y = x[i] + e[i]
-            h, f = _round16(y, bf16)
+            h, f = rnd(y)
             v[i] = h
             e[i] = y - f
-    elif mode == 2:
+    elif mode == Fuse.DECODED:
         for i in range(n):
-            h, f = _round16(x[i], bf16)
+            h, f = rnd(x[i])
             v[i] = h
             d[i] = f
-    elif mode == 6:
+    elif mode == Fuse.DECODED_INTO_X:
         for i in range(n):
-            h, f = _round16(x[i], bf16)
+            h, f = rnd(x[i])
             v[i] = h
             x[i] = f
-    elif mode == 7:
+    elif mode == Fuse.BOTH_INTO_X:
         for i in range(n):
             y = x[i] + e[i]
-            h, f = _round16(y, bf16)
+            h, f = rnd(y)
             v[i] = h
             e[i] = y - f
             x[i] = f
     else:
         for i in range(n):
             y = x[i] + e[i]
-            h, f = _round16(y, bf16)
+            h, f = rnd(y)
             v[i] = h
             e[i] = y - f
             d[i] = f
 
 
+@njit(**_JIT)
+def _f16_encode(x, v, e, d, mode):
+    _round16_loop(x, v, e, d, mode, _f16_round)
+
+
+@njit(**_JIT)
+def _bf16_encode(x, v, e, d, mode):
+    _round16_loop(x, v, e, d, mode, _bf16_round)
+
+
 def _f32_to_f16(x, out):
-    _round16_encode(x, out, _NONE32, _NONE32, 0, None)
+    _f16_encode(x, out, _NONE32, _NONE32, _PLAIN)
 
 
 @njit(**_JIT)
@@ -355,7 +403,7 @@ def f16_to_f32(h, out, add=False):
 
 
 def f32_to_bf16(x, out):
-    _round16_encode(x, out, _NONE32, _NONE32, 0, True)
+    _bf16_encode(x, out, _NONE32, _NONE32, _PLAIN)
 
 
 @njit(**_JIT)
@@ -413,8 +461,9 @@ def _unkey(k):
 
 
 # --- error feedback around a bucket ----------------------------------------------------------
-# Every bucketed encoder is one kernel ``(x, ..., e, d, mode)``. ``fused`` calls it with
-# mode & 1 (encode y = x + e, then e = y - decoded) and/or mode & 2 (d = decoded), in the
+# Every bucketed encoder is one kernel ``(x, ..., e, d, mode)``. Its ``*_fused`` function
+# calls it with a :class:`Fuse` mode (RESIDUAL: encode y = x + e, then e = y - decoded;
+# DECODED: d = decoded; or BOTH), in the
 # same pass over each bucket. The plain encoder passes e = d = None: numba compiles that
 # apart, with the error-feedback code pruned (the fused path's per-bucket array views
 # would cost ~10% at 256-element buckets).
@@ -450,9 +499,9 @@ def _decode_codes(kind, c, m, a, b, k, o, add):
 @njit(inline="always", **_JIT)
 def _ef_input(x, e, s, m, mode, ys):
     """Bucket ``s .. s+m`` of what is encoded: ``x``, or ``y = x + e`` (into ys) under
-    mode & 1."""
+    RESIDUAL."""
     xs = x[s:s + m]
-    if e is None or not mode & 1:
+    if e is None or not mode & Fuse.RESIDUAL:
         return xs
     es = e[s:s + m]
     for i in range(m):
@@ -463,17 +512,17 @@ def _ef_input(x, e, s, m, mode, ys):
 @njit(inline="always", **_JIT)
 def _ef_output(kind, c, a, b, k, ys, e, d, s, m, mode):
     """After bucket ``s .. s+m`` of ``y`` was encoded to codes ``c`` (decoded as
-    :func:`_value` says): ``d = decoded`` (mode & 2) and ``e = y - decoded`` (mode & 1),
+    :func:`_value` says): ``d = decoded`` (DECODED) and ``e = y - decoded`` (RESIDUAL),
     in one pass; nothing in the plain encoder (e None)."""
-    if e is None or d is None or not mode:
+    if e is None or d is None or mode == Fuse.PLAIN:
         return
-    if mode == 3:
+    if mode == Fuse.BOTH:
         ds, es = d[s:s + m], e[s:s + m]
         for i in range(m):
             dv = _value(kind, c[i], a, b, k)
             ds[i] = dv
             es[i] = ys[i] - dv
-    elif mode == 2:
+    elif mode == Fuse.DECODED:
         _decode_codes(kind, c, m, a, b, k, d[s:s + m], False)
     else:
         es = e[s:s + m]
@@ -490,7 +539,7 @@ def _minmax_encode(x, bs, bits, stochastic, key, lo_out, unit_out, packed, e, d,
     fL = np.float32(L)
     zero = np.float32(0.0)
     c = np.empty(min(bs, n), np.uint8)
-    ys = np.empty(min(bs, n) if mode & 1 else 0, np.float32)
+    ys = np.empty(min(bs, n) if mode & Fuse.RESIDUAL else 0, np.float32)
     w = np.empty(min(bs, n) // 2 + 4, np.uint32)
     wh = w.view(np.uint16)
     for b in range((n + bs - 1) // bs):
@@ -525,7 +574,7 @@ def _minmax_encode(x, bs, bits, stochastic, key, lo_out, unit_out, packed, e, d,
 
 def minmax_encode(x, bs, bits, stochastic, key, lo_out, unit_out, packed):
     if x.size:
-        _minmax_encode(x, bs, bits, stochastic, key, lo_out, unit_out, packed, None, None, 0)
+        _minmax_encode(x, bs, bits, stochastic, key, lo_out, unit_out, packed, None, None, _PLAIN)
 
 
 @njit(**_JIT)
@@ -570,7 +619,7 @@ def _fixed_encode(x, bits, scale, stochastic, key, packed, e, d, mode):
     step = np.float32(scale / L)
     nan_code = np.uint8(2 * L + 1)
     c = np.empty(_FIXED_BLOCK, np.uint8)
-    ys = np.empty(_FIXED_BLOCK if mode & 1 else 0, np.float32)
+    ys = np.empty(_FIXED_BLOCK if mode & Fuse.RESIDUAL else 0, np.float32)
     w = np.empty(_FIXED_BLOCK // 2 + 4, np.uint32)
     wh = w.view(np.uint16)
     for s in range(0, n, _FIXED_BLOCK):
@@ -589,7 +638,7 @@ def _fixed_encode(x, bits, scale, stochastic, key, packed, e, d, mode):
 
 def fixed_encode(x, bits, scale, stochastic, key, packed):
     if x.size:
-        _fixed_encode(x, bits, scale, stochastic, key, packed, None, None, 0)
+        _fixed_encode(x, bits, scale, stochastic, key, packed, None, None, _PLAIN)
 
 
 @njit(**_JIT)
@@ -614,7 +663,7 @@ def fixed_decode(packed, n, bits, scale, out, add=False):
 def _signlevel_encode(x, bs, s_, bits, l2, key, scale_out, packed, e, d, mode):
     n = x.size
     c = np.empty(min(bs, n), np.uint8)
-    ys = np.empty(min(bs, n) if mode & 1 else 0, np.float32)
+    ys = np.empty(min(bs, n) if mode & Fuse.RESIDUAL else 0, np.float32)
     w = np.empty(min(bs, n) // 2 + 4, np.uint32)
     wh = w.view(np.uint16)
     acc = np.zeros(LANES)
@@ -662,9 +711,9 @@ def _signlevel_encode(x, bs, s_, bits, l2, key, scale_out, packed, e, d, mode):
         _ef_output(_SIGNLEVEL, c, unit, unit, lmask, xs, e, d, s, m, mode)
 
 
-def signlevel_encode(x, bs, s, bits, l2, key, scale_out, packed):
+def signlevel_encode(x, bs, levels, bits, l2, key, scale_out, packed):
     if x.size:
-        _signlevel_encode(x, bs, s, bits, l2, key, scale_out, packed, None, None, 0)
+        _signlevel_encode(x, bs, levels, bits, l2, key, scale_out, packed, None, None, _PLAIN)
 
 
 @njit(**_JIT)
@@ -684,8 +733,8 @@ def _signlevel_decode(packed, n, bs, s_, bits, scale, out, add):
     return nbad
 
 
-def signlevel_decode(packed, n, bs, s, bits, scale, out, add=False):
-    return int(_signlevel_decode(packed, n, bs, s, bits, scale, out, add)) if n else 0
+def signlevel_decode(packed, n, bs, levels, bits, scale, out, add=False):
+    return int(_signlevel_decode(packed, n, bs, levels, bits, scale, out, add)) if n else 0
 
 
 # --- onebit ----------------------------------------------------------------------------------
@@ -694,7 +743,7 @@ def signlevel_decode(packed, n, bs, s, bits, scale, out, add=False):
 def _onebit_encode(x, bs, pos_out, neg_out, packed, e, d, mode):
     n = x.size
     c = np.empty(min(bs, n), np.uint8)
-    ys = np.empty(min(bs, n) if mode & 1 else 0, np.float32)
+    ys = np.empty(min(bs, n) if mode & Fuse.RESIDUAL else 0, np.float32)
     ps = np.zeros(LANES)
     ns = np.zeros(LANES)
     cn = np.zeros(LANES, np.int32)
@@ -739,7 +788,7 @@ def _onebit_encode(x, bs, pos_out, neg_out, packed, e, d, mode):
 
 def onebit_encode(x, bs, pos_out, neg_out, packed):
     if x.size:
-        _onebit_encode(x, bs, pos_out, neg_out, packed, None, None, 0)
+        _onebit_encode(x, bs, pos_out, neg_out, packed, None, None, _PLAIN)
 
 
 @njit(**_JIT)
@@ -774,32 +823,62 @@ def onebit_decode(packed, n, bs, pos, neg, out, add=False):
 
 # --- fused compression (error feedback, round trips) ----------------------------------------
 
-_FUSED_KERNELS = {"minmax": _minmax_encode, "fixed": _fixed_encode,
-                  "signlevel": _signlevel_encode, "onebit": _onebit_encode}
-_ROUND16 = {"f16": None, "bf16": True}
+def f32_to_f16_fused(x, out, residual=None, decoded=None):
+    """:func:`f32_to_f16` of ``y = x (+ residual)``, leaving ``residual = y - decoded``
+    and/or ``decoded`` (which may be ``x``) in the same pass."""
+    if x.size:
+        mode, e, d = _mode(x, residual, decoded, into_x=True)
+        _f16_encode(x, out, e, d, mode)
 
 
-def fused(kind, x, args, residual=None, decoded=None):
-    """Encode float32 ``x`` (+ ``residual``) with encoder ``kind``'s arguments ``args``
-    (those of the plain encoder after ``x``), then ``residual = y - decoded`` and/or
-    ``decoded = decode`` per bucket, as the composition of the plain kernels would: the
-    same bytes. ``decoded`` may be ``x``."""
-    if not x.size:
-        return
-    mode = (residual is not None) | 2 * (decoded is not None)
-    e = residual if residual is not None else _NONE32
-    d = decoded if decoded is not None else _NONE32
-    if kind in _ROUND16:
-        if decoded is not None and decoded.ctypes.data == x.ctypes.data:
-            mode, d = mode | 4, _NONE32
-        _round16_encode(x, *args, e, d, mode, _ROUND16[kind])
-    else:
-        _FUSED_KERNELS[kind](x, *args, e, d, mode)
+def f32_to_bf16_fused(x, out, residual=None, decoded=None):
+    """:func:`f32_to_bf16` fused likewise."""
+    if x.size:
+        mode, e, d = _mode(x, residual, decoded, into_x=True)
+        _bf16_encode(x, out, e, d, mode)
+
+
+def minmax_encode_fused(x, bs, bits, stochastic, key, lo_out, unit_out, packed,
+                        residual=None, decoded=None):
+    """:func:`minmax_encode` of ``y = x (+ residual)``, leaving ``residual = y - decoded``
+    and/or ``decoded`` (may be ``x``) per bucket: the bytes of the plain kernels composed."""
+    if x.size:
+        mode, e, d = _mode(x, residual, decoded)
+        _minmax_encode(x, bs, bits, stochastic, key, lo_out, unit_out, packed, e, d, mode)
+
+
+def fixed_encode_fused(x, bits, scale, stochastic, key, packed, residual=None, decoded=None):
+    """:func:`fixed_encode` fused likewise."""
+    if x.size:
+        mode, e, d = _mode(x, residual, decoded)
+        _fixed_encode(x, bits, scale, stochastic, key, packed, e, d, mode)
+
+
+def signlevel_encode_fused(x, bs, levels, bits, l2, key, scale_out, packed, residual=None,
+                           decoded=None):
+    """:func:`signlevel_encode` fused likewise."""
+    if x.size:
+        mode, e, d = _mode(x, residual, decoded)
+        _signlevel_encode(x, bs, levels, bits, l2, key, scale_out, packed, e, d, mode)
+
+
+def onebit_encode_fused(x, bs, pos_out, neg_out, packed, residual=None, decoded=None):
+    """:func:`onebit_encode` fused likewise."""
+    if x.size:
+        mode, e, d = _mode(x, residual, decoded)
+        _onebit_encode(x, bs, pos_out, neg_out, packed, e, d, mode)
 
 
 # --- topk / randomk ------------------------------------------------------------------------
 
 _SAMPLE = 1 << 14
+
+
+def abs_keys(x: np.ndarray) -> np.ndarray:
+    """Unsigned integer keys ordered like ``|x|``, NaN above +inf: the numpy path's (a view
+    and a mask, nothing to compile)."""
+    from . import _numpy
+    return _numpy.abs_keys(x)
 
 
 @njit(**_JIT)

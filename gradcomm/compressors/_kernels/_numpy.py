@@ -35,6 +35,8 @@ import functools
 import numpy as np
 
 NAME = "numpy"
+#: no one-pass fused encoders here: codecs compose error feedback step by step
+FUSED = False
 _M32 = np.uint64(0xFFFFFFFF)
 _PM0, _PM1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
 _PW0, _PW1 = np.uint64(0x9E3779B9), np.uint64(0xBB67AE85)
@@ -70,8 +72,9 @@ def philox_blocks(c0: np.ndarray, c1: np.ndarray, c2: np.ndarray, c3: np.ndarray
     return np.stack([c0, c1, c2, c3], axis=1).astype(np.uint32).reshape(-1)
 
 
-def philox_words(key: np.ndarray, start: int, count: int) -> np.ndarray:
-    """Words ``start .. start+count-1`` of the Philox4x32-10 stream keyed by ``key``."""
+def philox_words(key: np.ndarray, start: int, count: int, like: object = None) -> np.ndarray:
+    """Words ``start .. start+count-1`` of the Philox4x32-10 stream keyed by ``key``
+    (host arrays: ``like`` is not used here)."""
     out = np.empty(count, np.uint32)
     done = 0
     while done < count:
@@ -88,7 +91,7 @@ def philox_words(key: np.ndarray, start: int, count: int) -> np.ndarray:
     return out
 
 
-def dither(key: np.ndarray, start: int, count: int) -> np.ndarray:
+def dither(key: np.ndarray, start: int, count: int, like: object = None) -> np.ndarray:
     """float32 dither ``(d + 0.5) / 2^16`` of elements ``start .. start+count-1``."""
     if count == 0:
         return np.zeros(0, np.float32)
@@ -439,18 +442,18 @@ def fixed_decode(packed, n, bits, scale, out, add=False) -> int:
     return 0
 
 
-def signlevel_encode(x, bs, s_, bits, l2, key, scale_out, packed) -> None:
+def signlevel_encode(x, bs, levels, bits, l2, key, scale_out, packed) -> None:
     for s, m in _chunks(x.size, bs):
         b, nb, p = s // bs, -(-m // bs), s * bits // 8
-        _signlevel_encode(x[s:s + m], s, bs, s_, bits, l2, key, scale_out[b:b + nb],
+        _signlevel_encode(x[s:s + m], s, bs, levels, bits, l2, key, scale_out[b:b + nb],
                           packed[p:p + (m * bits + 7) // 8])
 
 
-def signlevel_decode(packed, n, bs, s_, bits, scale, out, add=False) -> int:
+def signlevel_decode(packed, n, bs, levels, bits, scale, out, add=False) -> int:
     bad = 0
     for s, m in _chunks(n, bs):
         b, nb, p = s // bs, -(-m // bs), s * bits // 8
-        bad += _signlevel_decode(packed[p:p + (m * bits + 7) // 8], m, bs, s_, bits,
+        bad += _signlevel_decode(packed[p:p + (m * bits + 7) // 8], m, bs, levels, bits,
                                  scale[b:b + nb], out[s:s + m], add)
     return bad
 

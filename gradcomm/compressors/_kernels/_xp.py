@@ -7,13 +7,12 @@ module docstring defines them): the same float32/float64 operations in the same 
 one operation per array call (nothing can be contracted into an FMA), the 64-lane bucket
 sums as explicit vector adds in the reference order (never ``sum``, whose order is
 unspecified on a GPU), and integer work in int32/int64/uint8 only (torch has no
-arithmetic on uint16/32/64): Philox's 32x32-bit products wrap in int64 exactly as in
-uint64, and the high word is masked after the arithmetic shift.
+arithmetic on uint16/32/64). The random stream is :mod:`._xp_stream`'s and the top-k /
+random-k kernels :mod:`._xp_select`'s (both re-exported: this module is the whole path).
 
-Signatures are :mod:`._numpy`'s, except that :func:`philox_words`, :func:`dither` and
-``randomk_indices`` take ``like``: an array whose kind and device the result gets.
-Arrays of one call share kind and device; ``key`` is always a host numpy uint32[4]; outputs
-are written in place; counts come back as Python ints.
+Signatures are those of :class:`~._protocol.Kernels` (``like``: an array whose kind and
+device the result gets). Arrays of one call share kind and device; ``key`` is always a
+host numpy uint32[4]; outputs are written in place; counts come back as Python ints.
 
 Example:
     >>> import numpy as np
@@ -29,11 +28,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import array_api_compat
 import numpy as np
 
 from ... import arrays
-from ._numpy import _quiet
+# the top-k / random-k kernels and the random stream live next door; this module is the
+# whole xp kernel path (it re-exports them)
+from ._xp_select import abs_keys, all_finite, randomk_indices, scatter, topk_select  # noqa: F401
+from ._xp_stream import _cat, _dev, _kernel, dither, philox_words
 
 NAME = "xp"
 FUSED = False
@@ -41,32 +42,14 @@ LANES = 64
 FLT_MAX = float(np.finfo(np.float32).max)
 KEY_PINF = 0x7F800000                    # key(+inf); larger keys are NaNs
 KEY_NINF = -0x7F800001                   # key(-inf); smaller keys are NaNs
-_M32 = 0xFFFFFFFF
-_PM0, _PM1 = 0xD2511F53, 0xCD9E8D57
-_PW0, _PW1 = 0x9E3779B9, 0xBB67AE85
 #: elements per pass (whole buckets), bounding the temporaries: on a GPU few, large calls
 #: (each array call is a kernel launch); on a CPU ~1M (measured no slower than larger runs)
 _CHUNK_GPU, _CHUNK_CPU = 1 << 24, 1 << 20
-#: Philox blocks per batch (4 words each)
-_BLOCKS = 1 << 22
 
 
 
 
 # --- helpers ------------------------------------------------------------------------------
-
-def _kernel(fn: Any) -> Any:
-    """A public kernel: numpy's floating-point warnings off (NaN and inf are handled), and
-    on cupy, run on the device of the data (cupy creates arrays and launches kernels on
-    the *current* device, and ``array_api_compat``'s cupy creation functions ignore
-    ``device=``)."""
-    return _quiet(arrays.device_scoped(fn))
-
-
-def _dev(a: Any) -> Any:
-    """``a``'s device, for the namespace's creation functions."""
-    return array_api_compat.device(a)
-
 
 def _assign(out: Any, v: Any) -> None:
     """``out[...] = v`` in place (numpy, torch, cupy alike): ``v`` an array of ``out``'s
@@ -122,10 +105,6 @@ def _u16(h: Any) -> Any:
     return xp.astype(arrays.bitcast(h, "int16"), xp.int32) & 0xFFFF
 
 
-def _cat(xp: Any, parts: list) -> Any:
-    return parts[0] if len(parts) == 1 else xp.concat(parts)
-
-
 def _rows(xp: Any, a: Any, n: int, bs: int) -> list[tuple[int, int, Any]]:
     """``a[:n]`` cut into 2-D views of whole buckets: ``(first bucket, first element,
     (n // bs, bs) view)`` and, for a partial last bucket, ``(.., .., (1, n % bs) view)``."""
@@ -172,60 +151,6 @@ def _chunks(a: Any, n: int, bs: int):
     c = max(bs, (elems // bs) * bs)
     for s in range(0, n, c):
         yield s, min(c, n - s)
-
-
-# --- random stream --------------------------------------------------------------------
-
-def _philox(c0: Any, c1: Any, c2: Any, c3: Any, k0: int, k1: int) -> tuple:
-    """Philox4x32-10 rounds on int64 arrays (or Python ints) of 32-bit values."""
-    for _ in range(10):
-        p0, p1 = c0 * _PM0, c2 * _PM1          # int64 wraps mod 2^64 like uint64
-        c0, c1, c2, c3 = (((p1 >> 32) & _M32) ^ c1 ^ k0, p1 & _M32,
-                          ((p0 >> 32) & _M32) ^ c3 ^ k1, p0 & _M32)
-        k0, k1 = (k0 + _PW0) & _M32, (k1 + _PW1) & _M32
-    return c0, c1, c2, c3
-
-
-@_kernel
-def philox_words(key: np.ndarray, start: int, count: int, like: Any) -> Any:
-    """Words ``start .. start+count-1`` of the Philox4x32-10 stream keyed by ``key``, as
-    int64 values 0..2^32-1 in an array of ``like``'s kind and device.
-
-    Example:
-        >>> import numpy as np
-        >>> from gradcomm.compressors._kernels import _numpy
-        >>> key = np.array([1, 2, 3, 4], np.uint32)
-        >>> philox_words(key, 5, 6, np.zeros(1)).tolist() == _numpy.philox_words(key, 5, 6).tolist()
-        True
-    """
-    xp, dev = arrays.namespace(like), _dev(like)
-    if count <= 0:
-        return xp.zeros(0, dtype=xp.int64, device=dev)
-    k0, k1, c2, c3 = (int(v) for v in key)
-    first, end = start // 4, (start + count + 3) // 4
-    parts = []
-    for b0 in range(first, end, _BLOCKS):
-        b1 = min(end, b0 + _BLOCKS)
-        blocks = xp.arange(b0, b1, dtype=xp.int64, device=dev)
-        lo, hi = (blocks, 0) if b1 <= 1 << 32 else (blocks & _M32, blocks >> 32)
-        out = _philox(lo, hi, c2, c3, k0, k1)
-        parts.append(xp.reshape(xp.stack(out, axis=1), (-1,)))
-    off = start - 4 * first
-    return _cat(xp, parts)[off:off + count]
-
-
-@_kernel
-def dither(key: np.ndarray, start: int, count: int, like: Any) -> Any:
-    """float32 dither ``(d + 0.5) / 2^16`` of elements ``start .. start+count-1``, as an
-    array of ``like``'s kind and device."""
-    xp = arrays.namespace(like)
-    if count == 0:
-        return xp.zeros(0, dtype=xp.float32, device=_dev(like))
-    w0 = start // 2
-    words = philox_words(key, w0, (start + count + 1) // 2 - w0, like)
-    halves = xp.reshape(xp.stack([words & 0xFFFF, words >> 16], axis=1), (-1,))
-    d = halves[start - 2 * w0:start - 2 * w0 + count]
-    return xp.astype(d, xp.float32) * (2.0 ** -16) + (2.0 ** -17)   # both exact
 
 
 # --- bit packing ----------------------------------------------------------------------
@@ -563,19 +488,19 @@ def fixed_decode(packed, n, bits, scale, out, add=False) -> int:
 
 
 @_kernel
-def signlevel_encode(x, bs, s_, bits, l2, key, scale_out, packed) -> None:
+def signlevel_encode(x, bs, levels, bits, l2, key, scale_out, packed) -> None:
     for s, m in _chunks(x, arrays.size(x), bs):
         b, nb, p = s // bs, -(-m // bs), s * bits // 8
-        _signlevel_encode(x[s:s + m], s, bs, s_, bits, l2, key, scale_out[b:b + nb],
+        _signlevel_encode(x[s:s + m], s, bs, levels, bits, l2, key, scale_out[b:b + nb],
                           packed[p:p + (m * bits + 7) // 8])
 
 
 @_kernel
-def signlevel_decode(packed, n, bs, s_, bits, scale, out, add=False) -> int:
+def signlevel_decode(packed, n, bs, levels, bits, scale, out, add=False) -> int:
     bad = 0
     for s, m in _chunks(packed, n, bs):
         b, nb, p = s // bs, -(-m // bs), s * bits // 8
-        bad += _signlevel_decode(packed[p:p + (m * bits + 7) // 8], m, bs, s_, bits,
+        bad += _signlevel_decode(packed[p:p + (m * bits + 7) // 8], m, bs, levels, bits,
                                  scale[b:b + nb], out[s:s + m], add)
     return bad
 
@@ -595,8 +520,3 @@ def onebit_decode(packed, n, bs, pos, neg, out, add=False) -> int:
         _onebit_decode(packed[s // 8:s // 8 + (m + 7) // 8], m, bs, pos[b:b + nb],
                        neg[b:b + nb], out[s:s + m], add)
     return 0
-
-
-# the topk / randomk kernels live next door; this module is the whole kernel path
-from ._xp_select import (abs_keys, all_finite, randomk_indices, scatter,  # noqa: E402,F401
-                         topk_select)

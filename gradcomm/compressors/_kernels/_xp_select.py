@@ -2,9 +2,10 @@
 
 The array-generic twins of :mod:`._numpy`'s ``abs_keys``, ``topk_select``, ``scatter``,
 ``randomk_indices`` and ``all_finite``: the same indices, values and return codes, byte
-for byte, on any array kind and device (re-exported by :mod:`._xp`). Written against the
-array-API namespace of the input (:func:`gradcomm.arrays.namespace`); what it lacks comes
-from :mod:`gradcomm.arrays`. Every selection is deterministic (no atomics, no unstable
+for byte, on any array kind and device (re-exported by :mod:`._xp`; the random-k draws
+come from :mod:`._xp_stream`). Written against the array-API namespace of the input
+(:func:`gradcomm.arrays.namespace`); what it lacks comes from :mod:`gradcomm.arrays`.
+Every selection is deterministic (no atomics, no unstable
 sort), so a GPU gives the bytes the CPU gives:
 
 - **top-k**: integer keys of ``|x|`` (the float bits without the sign: NaN above +inf),
@@ -32,6 +33,7 @@ import numpy as np
 from ... import arrays
 from ...errors import ConfigError
 from ._kth_smallest import kth_smallest
+from ._xp_stream import philox_words
 
 _M16 = 0xFFFF
 _SIGNLESS = {2: ("int16", 0x7FFF), 4: ("int32", 0x7FFFFFFF), 8: ("int64", (1 << 63) - 1)}
@@ -168,10 +170,11 @@ def _host_nans(a: Any, b: Any, r: Any, nan: Any) -> Any:
 
 
 @arrays.device_scoped
-def randomk_indices(key: np.ndarray, n: int, k: int, like: Any) -> Any:
+def randomk_indices(key: np.ndarray, n: int, k: int, like: Any = None) -> Any:
     """The ``k`` of ``range(n)`` that random-k keeps, ascending (int64, of ``like``'s kind
-    and device): the reference's draws (see :func:`._numpy.randomk_indices`), the first
-    ``m = min(k, n - k)`` distinct ones kept (``k <= n / 2``) or left out.
+    and device; host numpy if None): the reference's draws (see
+    :func:`._numpy.randomk_indices`), the first ``m = min(k, n - k)`` distinct ones kept
+    (``k <= n / 2``) or left out.
 
     Example:
         >>> import numpy as np
@@ -181,8 +184,7 @@ def randomk_indices(key: np.ndarray, n: int, k: int, like: Any) -> Any:
         >>> got.tolist() == _numpy.randomk_indices(key, 100, 7).tolist()
         True
     """
-    from ._xp import philox_words            # _xp re-exports this module: import late
-
+    like = np.zeros(0, np.uint8) if like is None else like
     xp = arrays.namespace(like)
     dev = _dev(like)
     k = min(k, n)

@@ -44,7 +44,7 @@ from .._dtypes import STORAGE, storage
 from ..collectives.auto import HOP
 from ..collectives.costmodel import Profile
 from ..comm.base import TAG_DATA, Transport
-from .overhead import _timed as _timed_us
+from ._util import median_slowest_us
 
 #: the sizes measured are powers of 8 from 8 bytes up to ``max_bytes`` (and it)
 MAX_BYTES = 8 << 20
@@ -66,7 +66,7 @@ def sizes_upto(max_bytes: int) -> list[int]:
 
 def _timed(t: Transport, fn: Callable[[], Any], iters: int, warmup: int) -> float | None:
     """Median of the slowest rank's seconds (rank 0; None elsewhere)."""
-    us = _timed_us(t, fn, iters, warmup)
+    us = median_slowest_us(t, fn, iters, warmup)
     return None if us is None else us * 1e-6
 
 

@@ -1,8 +1,6 @@
 """``python -m gradcomm.bench`` / ``gradcomm-bench``: the allreduce microbenchmark.
 
 Example:
-    >>> parse_sizes("4,4K,1MiB")
-    [4, 4096, 1048576]
     >>> parse_compressor("topk:ratio=0.01")
     ('topk', (('ratio', 0.01),))
 """
@@ -21,28 +19,10 @@ from typing import Any, Sequence
 
 from ..errors import ConfigError, GradcommError
 from . import launch, report
-from .sweep import Baseline, Plan, Row, Variant, agree_status, sweep
+from ._util import agree_status, parse_size, parse_sizes
+from .sweep import Baseline, Plan, Row, Variant, sweep
 
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20,
-          "MB": 1 << 20, "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
 _BASELINES = (launch.MPIBaseline.name, launch.TorchBaseline.name)
-
-
-def parse_size(text: str) -> int:
-    """'4', '4K', '64MiB' -> bytes (binary units)."""
-    s = text.strip().upper()
-    num = s.rstrip("KMGIB")
-    try:
-        value = int(num) * _UNITS[s[len(num):]]
-    except (ValueError, KeyError):
-        raise ConfigError(f"bad size {text!r}: expected e.g. 4, 4K, 64MiB") from None
-    if value <= 0:
-        raise ConfigError(f"sizes must be > 0 bytes, got {text!r}")
-    return value
-
-
-def parse_sizes(text: str) -> list[int]:
-    return [parse_size(s) for s in text.split(",") if s.strip()]
 
 
 def parse_compressor(text: str) -> tuple[str | None, tuple[tuple[str, Any], ...]]:

@@ -29,7 +29,8 @@ from ..collectives.gossip import gossip_average
 from ..comm.base import Transport
 from ..errors import GradcommError
 from . import data
-from .sweep import Plan, Row, Variant, _gather, iterations, sweep
+from ._util import gather, user_array
+from .sweep import Plan, Row, Variant, iterations, sweep
 
 #: tolerance of the #wrong check, in units of the dtype's epsilon (inputs are -2..2)
 _ULPS = 8
@@ -77,7 +78,7 @@ def _gossip_row(t: Transport, name: str, count: int, dtype: str, plan: Plan) -> 
         return row if t.rank == 0 else None
     row.extra.update(topology=topo.key,
                      degree=max(len(topo.recv_from(t.rank, s)) for s in range(topo.period)))
-    x = _user_array(data.exact_input(t.rank, count, dtype, "sum"), dtype)
+    x = user_array(data.exact_input(t.rank, count, dtype, "sum"), dtype)
     step = 0
     for _ in range(warmup):
         gossip_average(x, t, topology=topo, step=step, check=False)
@@ -96,7 +97,7 @@ def _gossip_row(t: Transport, name: str, count: int, dtype: str, plan: Plan) -> 
         if i == iters - 1:
             wrong = _wrong(t, topo, step, y, count, dtype)
         step += 1
-    table = _gather(t, np.concatenate([times, [wire / iters, msgs / iters, wrong]]))
+    table = gather(t, np.concatenate([times, [wire / iters, msgs / iters, wrong]]))
     if table is None:
         return None
     per_rank = table[:, :iters].mean(axis=1)
@@ -111,12 +112,6 @@ def _gossip_row(t: Transport, name: str, count: int, dtype: str, plan: Plan) -> 
     row.messages = float(table[:, iters + 1].mean())
     row.wrong = int(table[:, iters + 2].sum())
     return row
-
-
-def _user_array(x: np.ndarray, dtype: str) -> Any:
-    from .sweep import _user_array as as_user
-
-    return as_user(x, dtype)
 
 
 def _host(y: Any) -> np.ndarray:

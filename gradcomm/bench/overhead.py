@@ -23,27 +23,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from typing import Any, Callable
 
 import numpy as np
 
 from ..comm.base import TAG_DATA, Transport
-from .sweep import _gather
-
-
-def _timed(t: Transport, fn: Callable[[], Any], iters: int, warmup: int) -> float | None:
-    """Median over iterations of the slowest rank's time, µs (rank 0; None elsewhere)."""
-    for _ in range(warmup):
-        fn()
-    times = np.empty(iters)
-    for i in range(iters):
-        t.barrier()
-        t0 = time.perf_counter()
-        fn()
-        times[i] = time.perf_counter() - t0
-    table = _gather(t, times)
-    return None if table is None else float(np.median(table.max(axis=0))) * 1e6
+from ._util import median_slowest_us
 
 
 def steps(t: Transport, size: int, algorithm: str = "recursive_doubling",
@@ -115,13 +100,13 @@ def layers(t: Transport, size: int, *, iters: int = 1000, warmup: int = 100,
     out = []
     for name, fn in todo:
         with np.errstate(over="ignore"):       # buf is summed into itself over and over
-            out.append((name, _timed(t, fn, iters, warmup)))
+            out.append((name, median_slowest_us(t, fn, iters, warmup)))
         reset()
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .cli import parse_size
+    from ._util import parse_size
     from .launch import detect_launcher
 
     ap = argparse.ArgumentParser(prog="python -m gradcomm.bench.overhead",

@@ -52,14 +52,13 @@ import numpy as np
 from .. import arrays
 from .._dtypes import storage
 from ..collectives.costmodel import Profile
-from ..comm.base import TAG_USER, Transport
+from ..comm.base import Transport
 from ..errors import UnsupportedError
 from . import data
+from ._util import gather, user_array
 
 #: sizes above this many bytes get proportionally fewer iterations
 LARGE = 1 << 20
-#: tag of the benchmark's own bookkeeping messages (gathers to rank 0)
-TAG_BENCH = TAG_USER + 17
 #: compressors whose results are exact (checked against the exact expected values)
 LOSSLESS = (None, "none")
 #: the key every benchmark call uses (its crc32 seeds the stochastic codecs)
@@ -344,7 +343,7 @@ class _Run:
             return baseline.prepare(x, self.dtype, self.op)
         import gradcomm
 
-        arr = _user_array(x, self.dtype)
+        arr = user_array(x, self.dtype)
         options = dict(v.options)
         alg, comp, check, op = v.algorithm, v.compressor, v.check, self.op
         if v.error_feedback:
@@ -437,7 +436,7 @@ class _Run:
         p = t.size
         mine = np.concatenate([self.times, [self.wire / iters, self.msgs / iters,
                                             self.wrong]])
-        table = _gather(t, mine)
+        table = gather(t, mine)
         if table is None:
             return row
         row.iters, row.rounds = iters, rounds
@@ -488,41 +487,6 @@ def _bytes_differ(got: np.ndarray, ref: np.ndarray) -> int:
     a = got.view(np.uint8).reshape(got.size, -1)
     b = ref.view(np.uint8).reshape(ref.size, -1)
     return int(np.count_nonzero((a != b).any(axis=1)))
-
-
-def _user_array(x: np.ndarray, dtype: str) -> Any:
-    """What a user would pass: numpy, or a torch tensor for bfloat16 (no numpy dtype)."""
-    if dtype != "bfloat16":
-        return x
-    try:
-        import torch
-    except ImportError:
-        raise UnsupportedError("bfloat16 arrays need torch (pip install torch)") from None
-    return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
-
-
-def _gather(t: Transport, vec: np.ndarray) -> np.ndarray | None:
-    """Rank 0 gets a (size, len) table of every rank's ``vec``; others get None."""
-    vec = np.ascontiguousarray(vec, dtype=np.float64)
-    if t.rank != 0:
-        t.send(vec, 0, TAG_BENCH)
-        return None
-    table = np.empty((t.size, vec.size))
-    table[0] = vec
-    for r in range(1, t.size):
-        t.recv(table[r], r, TAG_BENCH)
-    return table
-
-
-def agree_status(t: Transport, code: int) -> int:
-    """Rank 0's ``code`` on every rank (collective), so every rank exits alike."""
-    buf = np.array([code], np.int64)
-    if t.rank == 0:
-        for r in range(1, t.size):
-            t.send(buf, r, TAG_BENCH + 1)
-        return code
-    t.recv(buf, 0, TAG_BENCH + 1)
-    return int(buf[0])
 
 
 def _human(n: int) -> str:

@@ -1,27 +1,13 @@
 """``python -m gradcomm.bench --calibrate``: measure the cost model's constants here.
 
-Every rank takes part; the times are medians over iterations of the slowest rank (barrier,
-then ``perf_counter``), as in the benchmark. What is measured, for the transport and rank
-count at hand:
-
-* α and β: one ``t.sendrecv`` (send to the right neighbour while receiving from the left,
-  every rank at once, as in a ring step) at sizes 8 B … ``max_bytes``, fitted as
-  ``α + β·n`` by least squares on relative error; and each algorithm run on 8 bytes,
-  which gives its own α (its time there divided by its number of steps, after the
-  other terms): the software cost per step differs between algorithms;
-* γ and δ: ``Reducer.combine`` (sum) on every rank at once, fitted as ``δ + γ·n`` for
-  float32 at several sizes; γ of every other dtype from two sizes;
-* ``native``: the transport's own allreduce (float32 sum) at the same sizes, kept as
-  points (where the transport has one);
-* ``overhead``: a whole ``gradcomm.allreduce(check=False)`` of 8 bytes minus the bare
-  recursive doubling inside it; ``check``: the argument check alone; ``copy``: seconds
-  per byte of copying an array (the call's input copy);
-* codecs: encode/decode seconds per input byte of each codec on 1 MiB of float32
-  (:func:`gradcomm.bench.codecs.codec_throughput`, rank 0).
-
-Rank 0 builds the :class:`~gradcomm.collectives.costmodel.Profile`, saves it, and the
-ranks adopt it (:func:`~gradcomm.collectives.auto.agree_profile`), so ``auto`` in the same
-run already uses it.
+:func:`calibrate` times, on every rank at once and as the benchmark does (barrier, then
+the median of the slowest rank), what :class:`~gradcomm.collectives.costmodel.Profile`
+holds for the transport and rank count at hand: α and β of a ``sendrecv`` (fitted as
+``α + β·n``), each algorithm's own α on 8 bytes, γ and δ of ``Reducer.combine`` per dtype,
+the transport's own allreduce, the fixed costs of a call and of its argument check, the
+input copy, and (rank 0) codec throughput. Rank 0 builds the profile, saves it, and the
+ranks adopt it (:func:`save_and_adopt`), so ``auto`` in the same run already uses it.
+``bench/README.md`` ("Calibration") gives the sizes, the fits and the commands.
 
 Example:
     >>> from gradcomm.comm import run_ranks

@@ -7,7 +7,7 @@ interleaved with the codec's own repeats, so a busy machine slows both), wire by
 compression ratio and the relative error ``||x - C(x)|| / ||x||``. Encoding reuses the
 previous payload's buffers (``compress(out=)``) and decoding writes into a preallocated
 array, as a training loop would. Medians of ``repeats`` after one warm-up (which also
-compiles the numba kernels). The issue-3 targets are shown next to the ratio.
+compiles the numba kernels). Each codec's target (:data:`TARGETS`) is shown next to the ratio.
 
 Example:
     >>> rows = codec_throughput(n=4096, names=["fp16", "topk:ratio=0.1"], repeats=1)
@@ -31,13 +31,13 @@ from ..compressors import _kernels
 #: codecs measured by default (name[:option=value,...])
 DEFAULT = ("none", "fp16", "bf16", "int8", "int8:rounding=stochastic", "qsgd", "terngrad",
            "topk", "randomk", "onebit")
-#: issue-3 targets for (encode + decode) / copy on 16M float32 (int8: nearest rounding)
+#: targets for (encode + decode) / copy on 16M float32 (int8: nearest rounding)
 TARGETS = {"fp16": 2.0, "int8": 2.0, "onebit": 2.0, "qsgd": 4.0, "terngrad": 4.0,
            "randomk": 4.0, "topk": 5.0}
 
 
 def target(name: str, opts: dict[str, Any]) -> float | None:
-    """The issue-3 target of a codec configuration (stochastic int8 counts as stochastic)."""
+    """The target of a codec configuration (stochastic int8 counts as stochastic)."""
     if name == "int8" and opts.get("rounding") == "stochastic":
         return 4.0
     return TARGETS.get(name)

@@ -179,7 +179,7 @@ def summarize(rows: Sequence[Row], baseline: str | None = None,
               fitted_sizes: Sequence[int] = ()) -> dict[str, Any]:
     """The row named ``variant`` (named in advance: ``auto`` by default, never the best
     of several) against the reference (the raw baseline if measured, else ``native``):
-    busbw at the largest size, the worst busbw ratio over 16–64 MiB (issue 2's target
+    busbw at the largest size, the worst busbw ratio over 16–64 MiB (the target
     window) and mean latency at 4 KiB (else at the smallest size measured), each with its
     spread over the rounds (the ratio of the two rows' round means, round by round).
     Targets are met only when no element anywhere was wrong.

@@ -1,37 +1,14 @@
 """The measurement itself: every rank runs :func:`sweep` with the same plan.
 
-For each size (outer loop) every variant is first set up and warmed up (``warmup``
-untimed calls), then the variants take turns, round-robin, over ``rounds`` rounds of
-``iters / rounds`` timed calls each, so a slow phase of a shared machine lands on every
-variant alike instead of on whichever ran then. Before each timed call the ranks meet at a
-barrier (not timed), then each rank times its own call with ``time.perf_counter`` — the
-way OSU's ``osu_allreduce`` does. Rank 0 gathers the per-rank, per-iteration times and
-reports:
-
-* ``avg``/``min``/``max``: OSU's columns — the mean over iterations on each rank, then
-  the average, minimum and maximum of those means over ranks;
-* ``algbw = size / avg`` and ``busbw = algbw · 2(p−1)/p`` (nccl-tests' allreduce factor),
-  in GB/s (10^9 bytes), from the **mean** time as OSU and nccl-tests report;
-* ``p50``/``p95``: median and 95th percentile over iterations of the iteration time of the
-  collective, i.e. the slowest rank's time in that iteration (extra columns);
-* ``spread``: (slowest − fastest round mean) / mean, in %, and ``extra["round_us"]``, the
-  mean time of each round.
-
-Correctness (never timed), on **every** timed call of every rank:
-
-* dense rows: the result against :func:`gradcomm.bench.data.exact_result`, elementwise;
-* compressed rows: the result against :func:`gradcomm.bench.replay.replay` of every rank's
-  input (each rank regenerates the others' inputs from ``(rank, count)``; no extra
-  communication) at the call's step — bitwise, so a wrong segment, seed, summation order
-  or a forgotten residual shows. Rows with error feedback replay every call (warm-up ones
-  too) with one residual store per rank, so each call is judged with the residuals it
-  really had;
-* compressed rows with a contractive codec (those error feedback accepts): once per row,
-  each rank's round trip ``d = decompress(compress(x))`` must shrink its input,
-  ``||x − d|| < ||x||``. The replay uses the same codec, so this is the check that judges
-  the codec itself: a decoder returning zeros fails it, and all ``n`` elements count.
-
-``#wrong`` is the number of mismatching elements over all checked calls and all ranks.
+For each size every variant is set up and warmed up, then the variants take turns over
+``rounds`` rounds of timed calls (a barrier before each, ``time.perf_counter`` on each
+rank, as OSU does), so a slow phase of a shared machine lands on all of them alike. Rank
+0 gathers the times and fills one :class:`Row` per (size, variant): OSU's avg/min/max,
+nccl-tests' algbw/busbw, p50/p95 of the slowest rank, the spread over rounds. Every timed
+call is checked outside the timer (dense rows against the exact result, compressed rows
+bitwise against :func:`gradcomm.bench.replay.replay`, contractive codecs' round trips);
+``#wrong`` counts the mismatching elements. ``bench/README.md`` ("What is measured")
+describes the columns and the checks in full.
 
 Example:
     >>> from gradcomm.comm import run_ranks

@@ -4,7 +4,7 @@ With a calibrated profile (``python -m gradcomm.bench --calibrate``, see
 :mod:`~gradcomm.collectives.costmodel`) the algorithm with the lowest modelled time wins.
 Without one, a table from the α-β model: below :data:`SMALL` bytes latency dominates, so
 the library's own allreduce where it is fast and reduces the dtype correctly (MPI: one C
-call, ~2 µs; not float16/bfloat16) and recursive doubling otherwise; above it bandwidth
+call; not float16/bfloat16) and recursive doubling otherwise; above it bandwidth
 dominates and ring's 2(p-1)/p·n bytes per rank win (Rabenseifner sends the same bytes in
 fewer rounds for power-of-two p > 2).
 

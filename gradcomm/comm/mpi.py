@@ -101,7 +101,7 @@ class MPITransport(Transport):
     """
 
     name = "mpi"
-    fast_native = True          # MPI_Allreduce of a few hundred bytes: ~2 µs, one C call
+    fast_native = True          # MPI_Allreduce of a few hundred bytes is one C call
 
     def __init__(self, comm: Any, timeout: float = DEFAULT_TIMEOUT) -> None:
         from mpi4py import MPI

@@ -244,6 +244,10 @@ def train_variant(v: dict[str, Any], args: argparse.Namespace, data, rank: int,
             dt = time.perf_counter() - t0
             if step >= args.warmup:
                 times.append(dt)
+        # a rank's last send may still be queued at its NIC when its own allreduce is
+        # done (it waits for what it receives, not for what it sent): read the counter
+        # once every rank has everything, as at the start
+        dist.barrier()
         end_bytes = nic_bytes()
         timed = len(times)
         stats = dict(getattr(state, "stats", {}) or {})

@@ -77,7 +77,8 @@ CHECKS: dict[str, tuple[str, ...]] = {
     "error_feedback": _pytest("tests/test_error_feedback.py"),
     "powersgd": _pytest("tests/collectives/test_powersgd.py",
                         "tests/compressors/test_powersgd_codec.py"),
-    "ddp_exact": _pytest("tests/integrations/test_ddp.py", "-k", "independent_reduction"),
+    "ddp_exact": _pytest("tests/integrations/ddp/test_ddp_hook.py", "-k",
+                         "independent_reduction"),
     "bench_p3": _bench(3),
     "bench_p4": _bench(4),
 }
@@ -91,7 +92,8 @@ _SEGMENTS = "gradcomm/collectives/_segments.py"
 _TREE = "gradcomm/collectives/tree.py"
 _RD = "gradcomm/collectives/recursive_doubling.py"
 _RAB = "gradcomm/collectives/rabenseifner.py"
-_DDP = "gradcomm/integrations/ddp.py"
+_DDP_ROUTES = "gradcomm/integrations/ddp/routes.py"
+_DDP_RESIDUALS = "gradcomm/integrations/ddp/residuals.py"
 _COMPRESSED = "gradcomm/collectives/compressed.py"
 
 MUTANTS: tuple[Mutant, ...] = (
@@ -172,17 +174,19 @@ MUTANTS: tuple[Mutant, ...] = (
     # -- the DDP hook (its own arithmetic; tests/integrations/scripts/ddp_checks.py 'exact')
     Mutant("ddp-returns-zeros", "the compressed DDP hook returns zeros and keeps the whole "
            "bucket in its residuals",
-           (Patch(_DDP, "            host.copy_(arrays.from_flat(result, arrays.meta_of(work)))",
+           (Patch(_DDP_ROUTES,
+                  "            host.copy_(arrays.from_flat(result, arrays.meta_of(work)))",
                   "            host.zero_()"),
-            Patch(_DDP, "                arrays.subtract(x[a:b], decoded[a:b],",
+            Patch(_DDP_RESIDUALS, "                arrays.subtract(x[a:b], decoded[a:b],",
                   "                arrays.subtract(x[a:b], 0 * decoded[a:b],")),
            ("ddp_exact",)),
     Mutant("ddp-forgets-residual", "the DDP hook never adds a parameter's residual back",
-           (Patch(_DDP, "                    x[a:a + n] += e\n", "                    pass\n"),),
+           (Patch(_DDP_RESIDUALS, "                    x[a:a + n] += e\n",
+                  "                    pass\n"),),
            ("ddp_exact",)),
     Mutant("ddp-device-route-unscaled", "the hook's device route (CUDA buckets; CPU ones "
            "under GRADCOMM_CODEC_PLACEMENT=array) reduces g / (2p), not g / p",
-           (Patch(_DDP, "        work.mul_(1.0 / self.transport.size)",
+           (Patch(_DDP_ROUTES, "        work.mul_(1.0 / self.transport.size)",
                   "        work.mul_(0.5 / self.transport.size)"),),
            ("ddp_exact",)),
 )

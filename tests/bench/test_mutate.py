@@ -44,7 +44,11 @@ def test_a_moved_line_fails_loudly_and_a_mutant_applies_all_or_nothing(tmp_path)
     m = next(m for m in mutate.MUTANTS if m.name == "ddp-returns-zeros")
     (tmp_path / Path(m.patches[0].path).parent).mkdir(parents=True)
     target = tmp_path / m.patches[0].path
-    target.write_text(m.patches[0].old + "\n")             # the second patch's line moved
+    target.write_text(m.patches[0].old + "\n")
+    second = tmp_path / m.patches[1].path
+    second.parent.mkdir(parents=True, exist_ok=True)
+    if second != target:
+        second.write_text("")                              # the second patch's line moved
     with pytest.raises(mutate.MutantError, match="0 copies"):
         mutate.apply(tmp_path, m)
     assert target.read_text() == m.patches[0].old + "\n"   # nothing written

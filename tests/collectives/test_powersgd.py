@@ -360,12 +360,12 @@ def test_parts_follow_the_hooks_parameters() -> None:
     """With the DDP hook's residual store (units of named parameters), every parameter is
     its own part: warm starts and residuals are per parameter; shapes the store exposes
     give PyTorch's matrix views."""
-    from gradcomm.integrations.ddp import _Residuals
+    from gradcomm.integrations.ddp.residuals import ParameterResiduals
 
     names, lengths = ["fc1.weight", "fc1.bias", "fc2.weight"], [64 * 32, 64, 10 * 64]
 
     def fn(t, shaped):
-        res = _Residuals(True)
+        res = ParameterResiduals(True)
         if shaped:
             res.shapes = {"fc1.weight": (64, 32), "fc1.bias": (64,), "fc2.weight": (10, 64)}
         x = _grad(t.rank, 0, (sum(lengths),))

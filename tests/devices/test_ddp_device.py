@@ -22,6 +22,7 @@ torch = pytest.importorskip("torch")
 from gradcomm import arrays  # noqa: E402
 from gradcomm.comm import run_ranks  # noqa: E402
 from gradcomm.integrations import ddp  # noqa: E402
+from gradcomm.integrations.ddp.residuals import ParameterResiduals  # noqa: E402
 from tests._launch import torchrun  # noqa: E402
 
 CHECKS = Path(__file__).parent / "scripts" / "ddp_device_checks.py"
@@ -42,10 +43,10 @@ def test_device_path_on_three_gloo_processes():
 
 
 # -- in-process: the residual store on tensors, the routes -------------------------------------
-def _store(kind: str) -> ddp._Residuals:
+def _store(kind: str) -> ParameterResiduals:
     """Residuals of parameters a (3) and b (4), a unit u = [a, b] with hop residuals."""
     make = np.asarray if kind == "numpy" else (lambda v: torch.tensor(v))
-    r = ddp._Residuals(True)
+    r = ParameterResiduals(True)
     r._residuals = {"a": make(np.float32([0.5, -1.0, 2.0])),
                     "u#e0": make(np.float32([1.0, 2.0, 3.0])),       # covers b[0:3]
                     "u#f1": make(np.float32([0.25] * 7))}            # all of u, 2 copies
@@ -87,7 +88,7 @@ def test_residual_store_on_tensors_gives_the_bytes_of_numpy():
 
 
 def test_residuals_loaded_on_the_host_move_to_the_bucket_and_back():
-    r = ddp._Residuals(True)
+    r = ParameterResiduals(True)
     r._residuals["a"] = np.float32([1.0, 2.0])              # as load_state_dict leaves it
     x = torch.tensor([10.0, 20.0, 30.0])
     unit = r.open(["a", "c"], [2, 1], x, 0)
@@ -106,9 +107,9 @@ def test_each_bucket_takes_its_route(monkeypatch):
     def routes(t, codec, algorithm, **kw):
         state, _ = ddp.make_comm_hook(codec, algorithm=algorithm, transport=t, **kw)
         try:
-            out = [state._route(m, codec is not None) for m in (cpu, cuda)]
-            state.library = t               # as for an NCCL group (its own allreduce)
-            out += [state._route(m, codec is not None) for m in (cpu, cuda)]
+            out = [state.routes.route(m, codec is not None) for m in (cpu, cuda)]
+            state.routes.library = t        # as for an NCCL group (its own allreduce)
+            out += [state.routes.route(m, codec is not None) for m in (cpu, cuda)]
             return out
         finally:
             state.close()

@@ -26,6 +26,7 @@ from tests.integrations.scripts.ddp_checks import (CAP, INFO, batch, fail, flat_
 
 import gradcomm
 from gradcomm.integrations import ddp as ddp_hook
+from gradcomm.integrations.ddp import groups as ddp_groups
 
 #: codecs checked, with options that keep a small model's buckets meaningful
 CODECS = {"int8": {"bits": 4}, "onebit": {}, "topk": {"ratio": 0.1}, "fp16": {}}
@@ -151,15 +152,15 @@ def check_groups() -> None:
     in the same order; a subgroup's made by its members alone) and the library path
     (scale by 1/p, the group's own allreduce in place, bytes counted)."""
     p, me = dist.get_world_size(), dist.get_rank()
-    if ddp_hook._payload_backend(str(dist.get_backend())) is not None:
+    if ddp_groups.payload_backend(str(dist.get_backend())) is not None:
         fail("a gloo group should carry the hook's messages itself")
     groups = [dist.group.WORLD,
               dist.new_group(list(range(p))[::-1], sort_ranks=False)]   # reversed order
     sub = dist.new_group([0, 1]) if p > 2 else None
     if sub is not None and me < 2:
-        groups.append(sub)                      # rank 2 never calls _host_group for it
+        groups.append(sub)                      # rank 2 never calls host_group for it
     for group in groups:
-        h = ddp_hook._host_group(group)
+        h = ddp_groups.host_group(group)
         ranks = dist.get_process_group_ranks(group)
         if str(dist.get_backend(h)) != "gloo" or dist.get_process_group_ranks(h) != ranks \
                 or dist.get_rank(h) != dist.get_rank(group):
@@ -170,11 +171,11 @@ def check_groups() -> None:
         if x.tolist() != [2.0 ** len(ranks) - 1] * 3:
             fail(f"host group of {ranks}: all_reduce gave {x.tolist()}")
     state, _ = ddp_hook.make_comm_hook(None)
-    state.library = state.transport             # the gloo group stands in for NCCL's
+    state.routes.library = state.transport      # the gloo group stands in for NCCL's
     x = torch.arange(7, dtype=torch.float32) + me
     want = x * (1.0 / p)
     dist.all_reduce(want)
-    state._call(lambda: state._library_allreduce(x, "float32", True))
+    state._call(lambda: state.routes.library_allreduce(x, "float32", True))
     if not torch.equal(x, want) or state.stats["native_nbytes"] != 28:
         fail(f"library path: {x.tolist()} (expected {want.tolist()}), {state.stats}")
     state.close()

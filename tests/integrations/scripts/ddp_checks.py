@@ -28,7 +28,9 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomm
-from gradcomm.integrations.ddp import _Residuals, make_comm_hook
+from gradcomm.integrations.ddp import make_comm_hook
+from gradcomm.integrations.ddp.checkpoint import residuals_of
+from gradcomm.integrations.ddp.residuals import redistribute
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 #: options per codec for these checks (ratios high enough for a small model)
@@ -223,9 +225,9 @@ def _telescoping(model: DDP, state, steps: int, start: int, tin: dict, tout: dic
 
 def total_mass(sd: dict) -> dict[str, np.ndarray]:
     """The error mass every rank's residuals hold together (hops folded), per parameter."""
-    saved = [_Residuals.from_entry(e, r) for r, e in enumerate(sd["ranks"])]
+    saved = [residuals_of(e, r) for r, e in enumerate(sd["ranks"])]
     return {k: v.astype(np.float64) for k, v in
-            _Residuals.redistribute(saved, 1, 0)._residuals.items()}
+            redistribute(saved, 1, 0)._residuals.items()}
 
 
 def check_rebuild(steps: int = 4) -> None:

@@ -21,13 +21,15 @@ torch = pytest.importorskip("torch")
 
 import gradcomm  # noqa: E402
 from gradcomm.comm import run_ranks  # noqa: E402
-from gradcomm.errors import ConfigError, PayloadError, UnsupportedError  # noqa: E402
+from gradcomm.errors import ConfigError, UnsupportedError  # noqa: E402
 from gradcomm.integrations import ddp  # noqa: E402
+from gradcomm.integrations.ddp.checkpoint import residuals_of  # noqa: E402
+from gradcomm.integrations.ddp.residuals import redistribute  # noqa: E402
 from tests._launch import free_port, mpirun, require_mpi, torchrun  # noqa: E402
 
-SCRIPTS = Path(__file__).parent / "scripts"
+SCRIPTS = Path(__file__).parents[1] / "scripts"
 CHECKS = SCRIPTS / "ddp_checks.py"
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 
 
 # -- real processes ---------------------------------------------------------------------------
@@ -91,7 +93,7 @@ def test_mpi_allreduce_example_gives_the_same_bytes_through_wrap():
     assert res["bitwise_equal"] and res["gradcomm_s"] > 0 and res["mpi_s"] > 0, res
 
 
-# -- in-process: arguments, state format, residual arithmetic ----------------------------------
+# -- in-process: arguments, the state dict ---------------------------------------------------
 def one_rank(fn):
     return run_ranks(1, fn, timeout=30)[0]
 
@@ -148,99 +150,6 @@ def test_state_dict_round_trips_through_torch_save_weights_only():
         return out
 
     assert one_rank(fn) == (7, [1.0, 2.0, 3.0], {"n": [3], "w#q": [0.5, -1.0]})
-
-
-def _res(named: dict, units=(), offsets=None) -> ddp._Residuals:
-    r = ddp._Residuals(True)
-    for k, v in named.items():
-        r._residuals[k] = np.asarray(v, np.float32)
-    for u, names, lengths in units:
-        r.units[u] = (names, lengths)
-    r.offsets = dict(offsets or {})
-    return r
-
-
-def test_a_unit_is_a_residual_store_of_per_parameter_pieces():
-    from gradcomm.error_feedback import ResidualStore
-
-    r = _res({"a": [1, 2], "b": [0, 0, 0]})
-    r.shapes = {"a": (2,), "b": (1, 3)}
-    x = np.arange(5, dtype=np.float32)
-    unit = r.open(["a", "b"], [2, 3], x, 7)
-    assert isinstance(unit, ResidualStore) and unit.key in r.units
-    assert x.tolist() == [1, 3, 2, 3, 4] and r._residuals["a"].tolist() == [0, 0]
-    assert unit.step(unit.key) == 7 and unit.flat_residual(unit.key, 5, np.float32) is None
-    assert unit.compensate(unit.key, x) is x and x.tolist() == [1, 3, 2, 3, 4]
-    unit.update(unit.key, x, np.zeros(5, np.float32))
-    assert r._residuals["a"].tolist() == [1, 3] and r._residuals["b"].tolist() == [2, 3, 4]
-    unit.hop_residual(unit.key + "#e0", 2, 3, np.float32)[...] = 1
-    assert r.offsets == {unit.key + "#e0": 2}
-    assert unit.parts(unit.key) == [("a", 2, (2,)), ("b", 3, (1, 3))]
-    assert unit.parts("another") is None
-
-
-def test_fold_maps_hop_residuals_to_parameters_and_divides_replicas():
-    # unit "u" = a (2 elements) then b (3): hop e0 covers [1, 4), hop f1 covers [0, 5)
-    r = _res({"a": [0, 0], "b": [0, 0, 0], "u#e0": [1, 2, 3], "u#f1": [4, 4, 4, 4, 4]},
-             [("u", ["a", "b"], [2, 3])], {"u#e0": 1, "u#f1": 0})
-    r.fold("u", {"u#f1": 2})                           # f1 held by two ranks: owed once
-    assert r._residuals["a"].tolist() == [2, 3]
-    assert r._residuals["b"].tolist() == [4, 5, 2]
-    assert "u#e0" not in r._residuals and not r.units and not r.offsets
-
-
-def test_redistribute_preserves_the_total_error_mass_at_any_rank_count():
-    rng = np.random.default_rng(0)
-    saved = []
-    for rank in range(4):                              # hop f0 replicated on all 4 ranks
-        saved.append(_res({"a": rng.standard_normal(3), "u#e0": rng.standard_normal(2),
-                           "u#f0": [1.0, 2.0, 3.0]},
-                          [("u", ["a"], [3])], {"u#e0": 1, "u#f0": 0}))
-    total = sum(s._residuals["a"].astype(np.float64) for s in saved)
-    total[1:] += sum(s._residuals["u#e0"].astype(np.float64) for s in saved)
-    total += [1, 2, 3]
-    for p_new in (1, 2, 3, 4, 5):
-        copies = [ddp._Residuals.from_entry(
-            {"residuals": dict(s._residuals), "units": {"u": {"names": ["a"], "lengths": [3]}},
-             "offsets": dict(s.offsets)}, i) for i, s in enumerate(saved)]
-        got = sum(ddp._Residuals.redistribute(copies, p_new, r)._residuals.get(
-            "a", np.zeros(3)).astype(np.float64) for r in range(p_new))
-        np.testing.assert_allclose(got, total, rtol=1e-6, atol=1e-6, err_msg=f"p_new={p_new}")
-
-
-def test_packed_rank_state_is_validated():
-    meta = {"units": {}, "offsets": {}}
-    block = ddp._pack_local({"residuals": {"a": np.arange(3, dtype=np.float32)},
-                             "extra": {"a#q": np.arange(2, dtype=np.float64),
-                                       "n": np.array([5], np.int32)}}, meta)
-    groups, got = ddp._unpack_local(block, 0)
-    assert groups["residuals"]["a"].tolist() == [0, 1, 2] and got == meta
-    assert groups["extra"]["a#q"].dtype == np.float64 and groups["extra"]["n"].tolist() == [5]
-    for bad in (block[:5], block[:-1], np.concatenate([block, block[:1]]),
-                np.concatenate([np.array([2 ** 40], np.uint64).view(np.uint8), block[8:]])):
-        with pytest.raises(PayloadError):
-            ddp._unpack_local(bad, 1)
-    for groups in ({"residuals": {"i": np.arange(2)}},            # integer residual
-                   {"other": {"x": np.zeros(1, np.float32)}},      # unknown group
-                   {"extra": {"o": np.array([b"x"])}}):            # not numeric
-        with pytest.raises(PayloadError, match="entry"):
-            ddp._unpack_local(ddp._pack_local(groups, meta), 2)
-
-
-
-def test_replay_regroups_buckets_into_the_saved_layout_in_order():
-    layout = [["a", "b"], ["c"], ["gone"]]
-    rep = ddp._Replay(layout)
-    f1, f2 = torch.futures.Future(), torch.futures.Future()
-    rep.add(torch.arange(3.0), ["c", "a"], [1, 2], f1)      # c waits for unit [a, b]
-    assert list(rep.ready()) == []
-    rep.add(torch.arange(4.0), ["b", "d"], [3, 1], f2)      # last bucket; d is new
-    units = [u for u, _ in rep.ready()] + [u for u, _ in rep.finish()]
-    assert units == [["a", "b"], ["c"], ["d"]]            # "gone" never came: dropped
-    done = []
-    for u in units:
-        done += rep.done(u)
-    assert [f for f, _ in done] == [f1, f2] and rep.left() == []
 
 
 # -- PowerSGD through the hook, in-process (the gloo runs are in scripts/ddp_checks.py) -------
@@ -332,9 +241,9 @@ def test_powersgd_hook_resumes_bitwise_and_at_other_rank_counts():
         assert resumed[r][2] == unbroken[r][2]
     sd = torch.load(io.BytesIO(first[0][1]), weights_only=True)
     assert sorted(sd["ranks"][1]["extra"]) == ["v#q", "w#q"]
-    saved = [ddp._Residuals.from_entry(e, r) for r, e in enumerate(sd["ranks"])]
+    saved = [residuals_of(e, r) for r, e in enumerate(sd["ranks"])]
     for r in range(3):
-        moved = ddp._Residuals.redistribute(saved, 3, r)._extras
+        moved = redistribute(saved, 3, r)._extras
         assert {k: v.tobytes() for k, v in moved.items()} == \
             {k: v.tobytes() for k, v in saved[0]._extras.items()}
     for p_new in (1, 3):                  # every new rank takes rank 0's (identical) Q

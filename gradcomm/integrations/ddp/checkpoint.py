@@ -1,0 +1,173 @@
+"""The DDP hook's checkpoints: a state dict of every rank's residuals, and its loading.
+
+:func:`collect` is collective: each rank packs its residuals (:func:`pack_local`: a
+msgpack header and the raw arrays, no pickle) and they are allgathered (or gathered to
+rank 0), so that one ``torch.save`` on rank 0 is a complete checkpoint of tensors, ints
+and strings that loads with ``torch.load(path, weights_only=True)``. :func:`restore` is
+local and accepts a checkpoint taken at any rank count ``p``: at ``p' == p`` each rank
+takes its own residuals back; at ``p' != p`` every old rank's hop residuals are folded
+into its per-parameter residuals and new rank ``r'`` takes the sum of those of the old
+ranks ``r`` with ``r mod p' == r'`` (:func:`~.residuals.redistribute`), so the total error
+mass is kept. Codec state (PowerSGD's warm-start ``Q``) is the same on every rank: at
+``p' != p`` every new rank takes old rank 0's copy.
+
+Example:
+    >>> import numpy as np
+    >>> block = pack_local({"residuals": {"w": np.float32([1, 2])}}, {"units": {}})
+    >>> groups, meta = unpack_local(block, rank=0)
+    >>> groups["residuals"]["w"].tolist(), meta
+    ([1.0, 2.0], {'units': {}})
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import msgpack
+import numpy as np
+
+from ...comm.base import Transport
+from ...errors import ConfigError, PayloadError
+from .residuals import ParameterResiduals, redistribute
+
+#: ``state_dict()["format"]`` and its version
+STATE_FORMAT, STATE_VERSION = "gradcomm.ddp_comm_hook", 1
+
+
+def collect(t: Transport, residuals: ParameterResiduals, rank0_only: bool
+            ) -> list[dict[str, Any]] | None:
+    """Every rank's residuals, units and offsets as ``state_dict()["ranks"]`` (torch
+    tensors); with ``rank0_only``, None on the ranks other than 0. Collective over ``t``."""
+    from ...collectives import agree
+    from ...collectives.allgather import allgatherv
+    from ...collectives.gather import gatherv
+
+    agree(t, "ddp_state_dict", rank0_only=rank0_only)
+    block = pack_local(*residuals.local_state())
+    if t.size == 1:
+        blocks = [block]
+    elif rank0_only:
+        blocks = gatherv(t, block)
+    else:
+        blocks = allgatherv(t, block)
+    if rank0_only and t.rank != 0:
+        return None
+    import torch
+
+    ranks = []
+    for r, b in enumerate(blocks):
+        groups, meta = unpack_local(b, r)
+        ranks.append({**{g: {k: torch.from_numpy(v) for k, v in named.items()}
+                         for g, named in groups.items()},
+                      "units": meta["units"], "offsets": meta["offsets"]})
+    return ranks
+
+
+def restore(state: Mapping[str, Any], p_new: int, rank: int) -> ParameterResiduals:
+    """Rank ``rank`` of ``p_new``'s residuals from a checkpoint ``state`` (checked).
+
+    New rank ``r'`` of ``p'`` receives ``sum(e_r for r in range(p) if r % p' == r')``,
+    summed in rank order (hop residuals folded first), which keeps the total error
+    mass up to float rounding.
+    """
+    if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
+        raise ConfigError("not a gradcomm DDP comm-hook state dict (format "
+                          f"{state.get('format') if isinstance(state, Mapping) else None!r}); "
+                          "state_dict(rank0_only=True) returns {} on ranks other than 0")
+    if state.get("version") != STATE_VERSION:
+        raise ConfigError(f"DDP comm-hook state version {state.get('version')!r}, this "
+                          f"gradcomm reads {STATE_VERSION}")
+    ranks = state["ranks"]
+    if not isinstance(ranks, list) or len(ranks) != state["world_size"]:
+        raise ConfigError(f"state holds {len(ranks)} ranks' residuals for world size "
+                          f"{state['world_size']}: it was saved incompletely")
+    saved = [residuals_of(entry, r) for r, entry in enumerate(ranks)]
+    if len(ranks) == p_new:
+        return saved[rank]
+    return redistribute(saved, p_new, rank)      # hops differ at another p: fold them first
+
+
+def residuals_of(entry: Mapping[str, Any], rank: int) -> ParameterResiduals:
+    """One saved rank's residuals (``state_dict()["ranks"][rank]``)."""
+    r = ParameterResiduals(True)
+    try:
+        for k, v in entry["residuals"].items():
+            arr = np.array(_flat(v), copy=True)
+            if arr.dtype.kind != "f":
+                raise ConfigError(f"residual {k!r} of rank {rank} is not floating")
+            r._residuals[str(k)] = arr
+        for k, v in entry.get("extra", {}).items():      # absent in older checkpoints
+            arr = np.array(_flat(v), copy=True)
+            if arr.dtype.kind not in "fiu":
+                raise ConfigError(f"extra state {k!r} of rank {rank} is not numeric")
+            r._extras[str(k)] = arr
+        for u, d in entry["units"].items():
+            r.units[str(u)] = ([str(n) for n in d["names"]], [int(n) for n in d["lengths"]])
+        r.offsets = {str(k): int(v) for k, v in entry["offsets"].items()}
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ConfigError(f"malformed residuals of rank {rank} in the state: {exc}") from None
+    return r
+
+
+def _flat(v: Any) -> np.ndarray:
+    if isinstance(v, np.ndarray):
+        return v.reshape(-1)
+    return v.detach().cpu().numpy().reshape(-1)
+
+
+# A rank's residuals travel as: uint64 header length, msgpack header {"arrays": [[group,
+# name, dtype, count], ...], "meta": {...}}, then the raw arrays in header order. No pickle.
+_MAX_STATE_HEADER = 1 << 26
+#: array groups of a rank's state and the dtype kinds each may hold
+_GROUPS = {"residuals": "f", "extra": "fiu"}
+
+
+def pack_local(groups: Mapping[str, Mapping[str, np.ndarray]],
+               meta: Mapping[str, Any]) -> np.ndarray:
+    """One rank's state as bytes: its array ``groups`` (residuals, extra) and ``meta``."""
+    items = [(g, k, v) for g, named in groups.items() for k, v in named.items()]
+    table = [[g, k, v.dtype.str, int(v.size)] for g, k, v in items]
+    hb = msgpack.packb({"arrays": table, "meta": dict(meta)}, use_bin_type=True)
+    return np.concatenate([np.array([len(hb)], np.uint64).view(np.uint8),
+                           np.frombuffer(hb, np.uint8),
+                           *[np.ascontiguousarray(v).reshape(-1).view(np.uint8)
+                             for _, _, v in items]])
+
+
+def unpack_local(block: np.ndarray, rank: int
+                 ) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, Any]]:
+    """:func:`pack_local`'s ``(groups, meta)`` back from rank ``rank``'s ``block``, checked
+    (PayloadError for a corrupt block)."""
+    raw = np.ascontiguousarray(block).reshape(-1).view(np.uint8)
+    bad = f"rank {rank}'s comm-hook state is corrupt"
+    if raw.size < 8:
+        raise PayloadError(f"{bad}: {raw.size} bytes")
+    n = int(raw[:8].view(np.uint64)[0])
+    if n > min(_MAX_STATE_HEADER, raw.size - 8):
+        raise PayloadError(f"{bad}: header of {n} bytes")
+    try:
+        head = msgpack.unpackb(raw[8:8 + n].tobytes(), raw=False)
+        table, meta = head["arrays"], head["meta"]
+    except Exception as exc:
+        raise PayloadError(f"{bad}: {exc}") from None
+    pos = 8 + n
+    groups: dict[str, dict[str, np.ndarray]] = {g: {} for g in _GROUPS}
+    for entry in table:
+        try:
+            group, name = str(entry[0]), str(entry[1])
+            dt, count = np.dtype(entry[2]), int(entry[3])
+        except (TypeError, ValueError, IndexError, KeyError) as exc:
+            raise PayloadError(f"{bad}: entry {entry!r}: {exc}") from None
+        size = count * dt.itemsize
+        if group not in _GROUPS or dt.kind not in _GROUPS[group] or count < 0 or \
+                pos + size > raw.size:
+            raise PayloadError(f"{bad}: entry {group}/{name} ({dt}, {count})")
+        groups[group][name] = raw[pos:pos + size].copy().view(dt)
+        pos += size
+    if pos != raw.size:
+        raise PayloadError(f"{bad}: {raw.size - pos} trailing bytes")
+    return groups, meta
+
+
+__all__ = ["STATE_FORMAT", "STATE_VERSION", "collect", "pack_local", "residuals_of", "restore",
+           "unpack_local"]

@@ -1,0 +1,379 @@
+"""The DDP comm hook and its state: config, parameter names, buckets in, futures out.
+
+:func:`make_comm_hook` validates the configuration and returns ``(state, comm_hook)``.
+:func:`comm_hook` runs on the autograd thread: it names the bucket's parameters, starts
+an NCCL group's own allreduce where that is the route, and queues the bucket on the
+state's :class:`~.worker.Worker`. On the worker, :class:`CommHookState` reduces the
+bucket (:class:`~.routes.Routes`), or regroups it into the saved layout in the first
+iteration after a load (:class:`~.replay.Replay`), and completes its future; at the
+last bucket of an iteration, the hop residuals of units not reduced are folded.
+
+Example:
+    >>> from gradcomm.comm import run_ranks
+    >>> def fn(t):
+    ...     state, hook = make_comm_hook("int8", bits=4, transport=t)
+    ...     state.close()
+    ...     return hook is comm_hook, state.routes.algorithm, state.iter
+    >>> run_ranks(1, fn)[0]
+    (True, 'auto', 0)
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from typing import Any, Callable, Mapping, Sequence
+
+from ... import arrays
+from ...collectives import ALGORITHMS
+from ...comm.base import Transport
+from ...errors import ConfigError, GradcommError, UnsupportedError
+from . import checkpoint
+from .groups import resolve_transports
+from .replay import Replay
+from .residuals import ParameterResiduals
+from .routes import Routes, codec_algorithms
+from .worker import Worker
+
+
+class UnboundModelWarning(UserWarning):
+    """The hook names parameters by position because no model was bound."""
+
+
+class CommHookState:
+    """Everything the hook keeps between buckets: config, residuals, the worker thread.
+
+    Build it with :func:`make_comm_hook`. Attributes worth reading: ``iter`` (completed
+    backward passes), ``transport`` (gradcomm's messages), ``library`` (the transport of
+    an NCCL DDP group, which sums uncompressed device buckets itself; else None) and
+    ``stats``: ``buckets`` reduced, ``bytes_sent`` by gradcomm's own messages,
+    ``native_nbytes`` handed to the library's allreduce (``algorithm="native"``, or an
+    NCCL group's; what that puts on the wire is the library's business) and
+    ``comm_seconds`` the worker spent reducing.
+    """
+
+    def __init__(self, compressor: Any = None, *, algorithm: str = "auto",
+                 error_feedback: bool = True, process_group: Any = None,
+                 transport: Any = None, start_iter: int = 0, model: Any = None,
+                 seed: int = 0, timeout: float | None = None, **options: Any) -> None:
+        from ... import compressors
+
+        if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
+            raise ConfigError(f"start_iter must be an int >= 0, got {start_iter!r}")
+        if compressor is None and options:
+            raise ConfigError(f"unknown options {sorted(options)} (compressor options need "
+                              "a compressor)")
+        self.compressor = None if compressor is None else compressors.get(compressor, **options)
+        lossy = self.compressor is not None and self.compressor.lossy
+        known = codec_algorithms(self.compressor) if lossy else ALGORITHMS
+        if algorithm not in known:
+            if algorithm == "native" and lossy:
+                raise UnsupportedError(f"algorithm='native' cannot carry {self.compressor.name!r}"
+                                       " payloads (only codecs whose rounds are dense sums "
+                                       "can: powersgd); with this compressor use one of "
+                                       f"{', '.join(known)}")
+            raise ConfigError(f"unknown algorithm {algorithm!r}; known: {', '.join(known)}")
+        self.algorithm, self.start_iter, self.seed = algorithm, start_iter, int(seed)
+        self.error_feedback = bool(error_feedback)
+        messages, library = resolve_transports(transport, process_group, timeout)
+        self.residuals = ParameterResiduals(self.error_feedback)
+        self.routes = Routes(messages, library, self.compressor, algorithm, self.seed,
+                             self.residuals)
+        self.iter = 0
+        self._names: dict[int, str] | None = None
+        self._position: dict[int, str] = {}
+        self._warned_unbound = False
+        self._layout: list[list[str]] = []      # units of the last completed iteration
+        self._current: list[list[str]] = []     # units of the iteration in progress
+        self._replay: list[list[str]] | None = None
+        self._pending: Replay | None = None
+        self._failure: BaseException | None = None
+        self._worker = Worker(messages.timeout)
+        self._finalizer = weakref.finalize(self, self._worker.queue.put, None)
+        if model is not None:
+            self.bind(model)
+
+    @property
+    def transport(self) -> Transport:
+        """The transport of gradcomm's messages (host buffers)."""
+        return self.routes.transport
+
+    @property
+    def library(self) -> Transport | None:
+        """An NCCL DDP group's transport (it sums uncompressed device buckets), or None."""
+        return self.routes.library
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """``buckets``, ``bytes_sent``, ``native_nbytes``, ``comm_seconds`` so far."""
+        return self.routes.stats
+
+    # -- parameter names -------------------------------------------------------------------
+    def bind(self, model: Any) -> CommHookState:
+        """Name residuals after ``model``'s parameters (a DDP model or the module it wraps).
+
+        Returns the state, so ``make_comm_hook(...)[0].bind(model)`` chains.
+        """
+        module = getattr(model, "module", model)
+        try:
+            named = list(module.named_parameters())
+        except AttributeError:
+            raise ConfigError(f"bind() needs a torch.nn.Module or DDP model, got "
+                              f"{type(model).__qualname__}") from None
+        self._names = {id(p): name for name, p in named}
+        return self
+
+    def _keys(self, params: Sequence[Any]) -> list[str]:
+        if self._names is not None:
+            try:
+                return [self._names[id(p)] for p in params]
+            except KeyError:
+                raise ConfigError("a bucket holds a parameter that is not in the bound "
+                                  "model; bind the model that DDP wraps") from None
+        if not self._warned_unbound:
+            self._warned_unbound = True
+            warnings.warn("make_comm_hook: no model bound; residuals are keyed by parameter "
+                          "position ('param.<i>'). Pass model= (or state.bind(model)) so that "
+                          "checkpoints name parameters", UnboundModelWarning, stacklevel=3)
+        keys = []
+        for p in params:
+            k = self._position.get(id(p))
+            if k is None:
+                k = self._position[id(p)] = f"param.{len(self._position)}"
+            keys.append(k)
+        return keys
+
+    # -- the worker --------------------------------------------------------------------------
+    def _submit(self, task: Callable[[], None]) -> None:
+        self._worker.submit(task)
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the worker thread (after every queued bucket) and return its value."""
+        return self._worker.call(fn)
+
+    def flush(self) -> None:
+        """Wait until every queued bucket has been reduced."""
+        self._call(lambda: None)
+
+    def close(self) -> None:
+        """Stop the worker thread (after the queued buckets). Idempotent."""
+        self._worker.close()
+
+    # -- one bucket ----------------------------------------------------------------------
+    def _bucket(self, buf: Any, keys: list[str], lengths: list[int], last: bool,
+                fut: Any, event: Any, work: Any = None) -> None:
+        """Worker side of the hook: reduce one DDP bucket (or collect it for a replay);
+        ``work``: the device group's allreduce the hook already started on it."""
+        try:
+            if self._failure is not None:
+                raise GradcommError(f"an earlier bucket failed: {self._failure}")
+            if event is not None:
+                event.synchronize()        # the gradients were written on another stream
+            if work is not None:
+                self.routes.library_finish(buf, work)
+                self.stats["buckets"] += 1
+                self._current.append(keys)
+                ready = [(fut, buf)]
+            elif self._replay is not None or self._pending is not None:
+                ready = self._replay_bucket(buf, keys, lengths, fut, last)
+            else:
+                self._reduce(buf, keys, lengths)
+                self._current.append(keys)
+                ready = [(fut, buf)]
+            if last:
+                self._end_iteration()     # before the futures: backward returns after them
+            for f, b in ready:
+                f.set_result(b)
+        except BaseException as exc:
+            self._failure = self._failure or exc
+            if not fut.done():
+                fut.set_exception(exc)
+            if self._pending is not None:
+                self._pending.fail(exc)
+                self._pending = None
+
+    def _end_iteration(self) -> None:
+        if self._pending is not None:
+            left = self._pending.left()
+            self._pending = None
+            if left:
+                raise GradcommError(f"replayed bucket layout never received {left}")
+        self.residuals.fold_unused(self.transport)
+        self._layout, self._current = self._current, []
+        self.iter += 1
+
+    def _replay_bucket(self, buf: Any, keys: list[str], lengths: list[int], fut: Any,
+                       last: bool) -> list[tuple[Any, Any]]:
+        """Collect a bucket; reduce the saved units now complete (at the last bucket: all
+        the rest); return the (future, buffer) of the buckets finished."""
+        import torch
+
+        if self._pending is None:
+            assert self._replay is not None
+            self._pending, self._replay = Replay(self._replay), None
+        pending = self._pending
+        pending.add(buf, keys, lengths, fut)
+        finished = []
+        units = list(pending.ready())
+        if last:
+            units += pending.finish()
+        for unit_keys, views in units:
+            flat = torch.cat([v.reshape(-1) for v in views])
+            self._reduce(flat, unit_keys, [v.numel() for v in views])
+            offset = 0
+            for v in views:
+                v.copy_(flat[offset:offset + v.numel()])
+                offset += v.numel()
+            self._current.append(unit_keys)
+            finished += pending.done(unit_keys)
+        return finished
+
+    def _reduce(self, flat: Any, keys: list[str], lengths: list[int]) -> None:
+        """Average unit ``flat`` (parameters ``keys`` of ``lengths``) across the ranks."""
+        self.routes.reduce(flat, keys, lengths, self._compressing(), self.iter)
+
+    def _compressing(self) -> bool:
+        """Whether this iteration's buckets are compressed (a lossy codec, past
+        ``start_iter``)."""
+        return (self.compressor is not None and self.compressor.lossy
+                and self.iter >= self.start_iter)
+
+    def _hook_library(self, buf: Any) -> Any:
+        """On the autograd thread: start the device group's allreduce of bucket ``buf`` if
+        it takes the library route (else None; the worker reduces it). Issued here, the
+        device collectives keep the order DDP issues its own in (the unused-parameter map
+        with ``find_unused_parameters``, ...) on every rank; issued from the worker they
+        could interleave differently on different ranks and hang NCCL. A new shape is
+        first agreed on the worker (after the buckets queued before it)."""
+        if self.library is None or self._replay is not None or self._pending is not None:
+            return None                     # a replayed layout: the worker groups units
+        meta = arrays.meta_of(buf)
+        compressed = self._compressing()
+        if self.routes.route(meta, compressed) != "library":
+            return None
+        sig = (buf.numel(), meta.dtype, False)
+        if sig not in self.routes.checked:
+            def agree() -> None:
+                self.routes.agree_library(buf, meta.dtype)
+                self.routes.checked.add(sig)
+            self._call(agree)
+        return self.routes.library_start(buf, meta.dtype)
+
+    def state_dict(self, *, rank0_only: bool = False) -> dict[str, Any]:
+        """Config, counters, layout and EVERY rank's residuals. Collective: call on all ranks.
+
+        Values are tensors, ints, floats, strings, lists and dicts, so ``torch.save`` /
+        ``torch.load`` (``weights_only=True``) round-trip it. With ``rank0_only`` the
+        residuals are gathered to rank 0 only; other ranks return ``{}``.
+        """
+        return self._call(lambda: self._state_dict(rank0_only))
+
+    def _state_dict(self, rank0_only: bool) -> dict[str, Any]:
+        t = self.transport
+        ranks = checkpoint.collect(t, self.residuals, rank0_only)
+        if ranks is None:
+            return {}
+        c = self.compressor
+        return {
+            "format": checkpoint.STATE_FORMAT, "version": checkpoint.STATE_VERSION,
+            "config": {"compressor": None if c is None else c.name,
+                       "compressor_options": {} if c is None else dict(c.get_config()),
+                       "algorithm": self.algorithm, "error_feedback": self.error_feedback,
+                       "start_iter": self.start_iter, "seed": self.seed},
+            "iter": self.iter, "world_size": t.size,
+            "layout": [list(u) for u in self._layout],
+            "ranks": ranks,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore counters, layout and this rank's share of the residuals (any rank count).
+
+        New rank ``r'`` of ``p'`` receives ``sum(e_r for r in range(p) if r % p' == r')``,
+        summed in rank order (hop residuals folded first), which keeps the total error
+        mass up to float rounding.
+        """
+        restored = checkpoint.restore(state, self.transport.size, self.transport.rank)
+        layout = [list(map(str, u)) for u in state.get("layout", [])]
+
+        def apply() -> None:
+            self.residuals.restore(restored)
+            self.iter = int(state["iter"])
+            self.routes.checked.clear()
+            self._replay = None
+            if layout and self._names is not None:
+                if {k for u in layout for k in u} <= set(self._names.values()):
+                    self._replay = layout
+                else:
+                    warnings.warn("the checkpoint's bucket layout names parameters the bound "
+                                  "model does not have; not replaying it", stacklevel=3)
+        self._call(apply)
+
+    def __repr__(self) -> str:
+        return (f"CommHookState(compressor={self.compressor!r}, algorithm={self.algorithm!r}, "
+                f"transport={self.transport.name}, rank={self.transport.rank}/"
+                f"{self.transport.size}, iter={self.iter})")
+
+
+def make_comm_hook(compressor: Any = None, *, algorithm: str = "auto",
+                   error_feedback: bool = True, process_group: Any = None,
+                   transport: Any = None, start_iter: int = 0, model: Any = None,
+                   **options: Any) -> tuple[CommHookState, Callable[..., Any]]:
+    """``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``.
+
+    Args:
+        compressor: None (plain averaging), a codec name with its options in
+            ``**options`` (e.g. ``ratio=0.01``), or a Compressor.
+        algorithm: any gradcomm allreduce algorithm the compressor composes with.
+        error_feedback: keep per-parameter residuals of the compression error.
+        process_group: DDP's process group (default: the default group). For an NCCL
+            group a gloo group over its ranks is created here for the hook's messages
+            (collective: every rank of the group calls ``make_comm_hook``).
+        transport: None (point-to-point over ``process_group``), ``"mpi"``
+            (``MPI.COMM_WORLD``, for jobs started with mpirun), an mpi4py communicator or a
+            gradcomm Transport.
+        start_iter: backward passes to run uncompressed first.
+        model: the DDP model (or its module), to name residuals after its parameters.
+        options: codec options, plus ``seed`` (stochastic codecs) and ``timeout``
+            (seconds per blocking wait).
+
+    See the module docstring for the steps, checkpoints and parity.
+    """
+    state = CommHookState(compressor, algorithm=algorithm, error_feedback=error_feedback,
+                          process_group=process_group, transport=transport,
+                          start_iter=start_iter, model=model, **options)
+    return state, comm_hook
+
+
+def comm_hook(state: CommHookState, bucket):  # type: ignore[no-untyped-def]
+    """The DDP hook: queue ``bucket`` on ``state``'s worker; return its future.
+
+    (Unannotated on purpose: DDP rejects any annotation but the real types, and this
+    module's annotations are strings.)
+    """
+    import torch
+
+    fut: Any = torch.futures.Future()
+    try:
+        params = bucket.parameters()
+        keys = state._keys(params)
+        lengths = [int(p.numel()) for p in params]
+        shapes = state.residuals.shapes              # matrix views for PowerSGD
+        for k, p in zip(keys, params):
+            if k not in shapes:
+                shapes[k] = tuple(p.shape)
+        buf = bucket.buffer()
+        if sum(lengths) != buf.numel():
+            raise ConfigError(f"bucket {bucket.index()} holds {buf.numel()} elements but its "
+                              f"parameters {sum(lengths)} (sparse gradients are unsupported)")
+        last, event = bucket.is_last(), None
+        work = state._hook_library(buf)     # a device group's own allreduce starts here
+        if buf.is_cuda and work is None:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(buf.device))   # buf's device's stream
+        state._submit(lambda: state._bucket(buf, keys, lengths, last, fut, event, work))
+    except BaseException as exc:
+        fut.set_exception(exc)
+    return fut
+
+
+__all__ = ["CommHookState", "UnboundModelWarning", "comm_hook", "make_comm_hook"]

@@ -1,0 +1,227 @@
+"""Where the DDP hook reduces a unit of parameters, and how: three routes.
+
+1. **device** (compressed buckets whose codecs run where the bucket is: CUDA buckets with
+   a gather route or a per-hop algorithm, every tensor under
+   ``GRADCOMM_CODEC_PLACEMENT=array``): a float32 (float64) working copy divided by ``p``,
+   the per-parameter residuals and the codecs (the device kernels, byte-identical to the
+   host's) live there; only payload bytes cross to the host transport, and the result is
+   written back into the bucket on the device.
+2. **library** (uncompressed ``auto``/``native`` device buckets of an NCCL group): scaled
+   by ``1/p`` and summed in place by NCCL's own allreduce, as DDP does.
+3. **host** (the rest, PowerSGD included): staged through host memory (copied there,
+   reduced, copied back before the future completes; in place for CPU buckets).
+   Uncompressed, ``"auto"`` means the library's own allreduce (what DDP runs) unless it
+   cannot reduce the dtype (16-bit floats under MPI).
+
+A compressed unit is reduced in float32 (float64 for float64 buckets) with
+``compressed_allreduce``, the unit's :class:`~.residuals.UnitResiduals` as its residual
+store.
+
+Example:
+    >>> from gradcomm import arrays, compressors
+    >>> from gradcomm.comm import run_ranks
+    >>> def fn(t):
+    ...     routes = Routes(t, None, compressors.get("topk"), "ring", 0,
+    ...                     ParameterResiduals(True))
+    ...     meta = arrays.Meta("torch", "float32", (10,), "cuda:0")
+    ...     return routes.route(meta, compressed=True), routes.route(meta, compressed=False)
+    >>> run_ranks(1, fn)[0]
+    ('device', 'host')
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from ... import arrays
+from ...collectives import DENSE, dense_allreduce
+from ...comm.base import Transport
+from ...errors import UnsupportedError
+from .residuals import ParameterResiduals, UnitResiduals
+
+#: compressed algorithms the hook runs where the bucket lives (gather routes; "auto" means
+#: them for device buckets); codecs always staged through the host
+DEVICE_ALGORITHMS = ("auto", "allgather", "sparse_allgather", "ring", "tree",
+                      "recursive_doubling", "rabenseifner")
+STAGED_CODECS = ("powersgd",)
+
+
+def codec_algorithms(codec: Any) -> tuple[str, ...]:
+    """The algorithms a lossy codec composes with: PowerSGD's two rounds are dense sums,
+    so any dense algorithm (``native`` too); every other codec, the compressed ones."""
+    if codec.name == "powersgd":                   # routed as compressed_allreduce does
+        from ...collectives.powersgd import ALGORITHMS as POWERSGD_ALGORITHMS
+
+        return POWERSGD_ALGORITHMS
+    from ...collectives.compressed import COMPRESSED_ALGORITHMS
+
+    return COMPRESSED_ALGORITHMS
+
+
+class Routes:
+    """Reduces the hook's units: the transports, the codec and algorithm, the residuals,
+    and what it learnt (shapes agreed across ranks, dtypes the library cannot reduce).
+
+    ``transport`` carries gradcomm's messages (host buffers); ``library``, for a device
+    process group (NCCL), is that group, whose allreduce sums uncompressed device buckets
+    in place. ``stats``: ``buckets`` reduced, ``bytes_sent`` by gradcomm's own messages,
+    ``native_nbytes`` handed to the library's allreduce and ``comm_seconds`` spent.
+    """
+
+    def __init__(self, transport: Transport, library: Transport | None, compressor: Any,
+                 algorithm: str, seed: int, residuals: ParameterResiduals) -> None:
+        self.transport, self.library = transport, library
+        self.compressor, self.algorithm, self.seed = compressor, algorithm, seed
+        self.residuals = residuals
+        self.stats = {"buckets": 0, "bytes_sent": 0, "native_nbytes": 0, "comm_seconds": 0.0}
+        #: (count, dtype, compressed) of the units already agreed across ranks
+        self.checked: set[tuple[int, str, bool]] = set()
+        self.no_native: set[str] = set()       # dtypes the library cannot reduce
+
+    def reduce(self, flat: Any, keys: list[str], lengths: list[int], compressed: bool,
+               step: int) -> None:
+        """Average 1-D tensor ``flat`` (parameters ``keys`` of ``lengths``) across ranks,
+        where :meth:`route` says; ``compressed``: whether this iteration compresses,
+        ``step``: the hook's iteration (it seeds the codecs)."""
+        t = self.transport
+        began, sent = time.perf_counter(), t.stats.bytes_sent
+        meta = arrays.meta_of(flat)
+        sig = (flat.numel(), meta.dtype, compressed)
+        check = sig not in self.checked    # agree on new shapes only: gloo messages cost ms
+        route = self.route(meta, compressed)
+        if route == "device":
+            self._on_device(flat, meta.dtype, keys, lengths, check, step)
+        elif route == "library":
+            self.library_allreduce(flat, meta.dtype, check)
+        else:
+            self._on_host(flat, keys, lengths, compressed, check, step)
+        self.checked.add(sig)
+        self.stats["buckets"] += 1
+        self.stats["bytes_sent"] += t.stats.bytes_sent - sent
+        self.stats["comm_seconds"] += time.perf_counter() - began
+
+    def route(self, meta: arrays.Meta, compressed: bool) -> str:
+        """Where a bucket described by ``meta`` is reduced: ``"device"`` (compressed,
+        with codecs that run where the bucket is: CUDA buckets, or every
+        tensor under ``GRADCOMM_CODEC_PLACEMENT=array``), ``"library"`` (uncompressed
+        ``auto``/``native`` device buckets of a device process group: its own allreduce,
+        in place) or ``"host"`` (staged through host memory: the rest)."""
+        if compressed:
+            assert self.compressor is not None
+            gather = self.algorithm in DEVICE_ALGORITHMS and \
+                self.compressor.name not in STAGED_CODECS
+            return "device" if gather and arrays.codec_placement(meta) == "device" else "host"
+        lib = self.library
+        if lib is not None and meta.device != "cpu" and self.algorithm in ("auto", "native") \
+                and lib.native_supports(meta.dtype, "sum"):
+            return "library"
+        return "host"
+
+    def _on_device(self, flat: Any, dtype: str, keys: list[str], lengths: list[int],
+                   check: bool, step: int) -> None:
+        """The compressed path where the bucket lives: a float32/float64 working copy
+        divided by p, residuals on the same device, payload bytes alone crossing to the
+        host; the result goes back into ``flat`` there."""
+        work = flat.double() if dtype == "float64" else flat.float()   # flat itself if so
+        work.mul_(1.0 / self.transport.size)
+        result = self._compressed(work, keys, lengths, check, step)
+        if result is not work:
+            arrays.assign(work, result)
+        if work is not flat:
+            flat.copy_(work)
+        arrays.sync(flat)                   # done before the future hands it to DDP
+
+    def library_allreduce(self, flat: Any, dtype: str, check: bool) -> None:
+        """DDP's own path on a device process group: scale by 1/p and sum ``flat`` in
+        place with the group's allreduce (arguments agreed over the host transport)."""
+        if check:
+            self.agree_library(flat, dtype)
+        self.library_finish(flat, self.library_start(flat, dtype))
+
+    def agree_library(self, flat: Any, dtype: str) -> None:
+        """The host path's check fields: a rank staging instead is told, not hung."""
+        from ...collectives import agree
+
+        agree(self.transport, "allreduce", count=int(flat.numel()), dtype=dtype, op="sum",
+              algorithm="native (device group)")
+
+    def library_start(self, flat: Any, dtype: str) -> Any:
+        """Scale ``flat`` by 1/p and start the device group's allreduce of it."""
+        lib = self.library
+        assert lib is not None
+        flat.mul_(1.0 / lib.size)
+        return lib.native_allreduce_start(flat, "sum", dtype)   # type: ignore[attr-defined]
+
+    def library_finish(self, flat: Any, work: Any) -> None:
+        """Wait for the device group's allreduce ``work`` of ``flat``."""
+        assert self.library is not None
+        self.library.native_allreduce_wait(work)               # type: ignore[attr-defined]
+        arrays.sync(flat)                   # done before the future hands it to DDP
+        self.stats["native_nbytes"] += flat.numel() * flat.element_size()
+
+    def _on_host(self, flat: Any, keys: list[str], lengths: list[int],
+                 compressed: bool, check: bool, step: int) -> None:
+        """Staged through host memory (in place for CPU buckets)."""
+        t = self.transport
+        host = flat if flat.device.type == "cpu" else flat.cpu()
+        meta = arrays.meta_of(host)
+        if not compressed:
+            host.mul_(1.0 / t.size)
+            view = arrays.host_view(host)
+            algorithm = self._dense_algorithm(meta.dtype)
+            try:
+                dense_allreduce(t, view, "sum", meta.dtype, algorithm, check=check)
+            except UnsupportedError:          # raised by every rank alike, before any data
+                if self.algorithm != "auto" or algorithm != "native":
+                    raise
+                self.no_native.add(meta.dtype)
+                algorithm = "auto"
+                dense_allreduce(t, view, "sum", meta.dtype, algorithm, check=check)
+            if algorithm == "native":
+                self.stats["native_nbytes"] += host.numel() * host.element_size()
+        else:
+            work = host.double() if meta.dtype == "float64" else host.float()
+            work.mul_(1.0 / t.size)
+            view = arrays.host_view(work)
+            result = self._compressed(view, keys, lengths, check, step)
+            host.copy_(arrays.from_flat(result, arrays.meta_of(work)))
+        if host is not flat:
+            flat.copy_(host)
+
+    def _dense_algorithm(self, dtype: str) -> str:
+        """The uncompressed path's algorithm: with "auto", the library's own allreduce
+        (what DDP runs; it overlaps best) unless it cannot reduce ``dtype``."""
+        if self.algorithm == "auto":
+            return "auto" if dtype in self.no_native else "native"
+        return self.algorithm if self.algorithm in DENSE else "auto"
+
+    def _compressed(self, x: Any, keys: list[str], lengths: list[int], check: bool,
+                    step: int) -> Any:
+        """Compressed allreduce (sum) of flat ``x`` (host numpy, or a tensor reduced where
+        it lives) with the residuals of ``keys``."""
+        from ...collectives.compressed import compressed_allreduce
+
+        unit = self.residuals.open(keys, lengths, x, step)
+        if self.algorithm == "native":                  # PowerSGD's rounds, on the library
+            self.stats["native_nbytes"] += self._native_nbytes(x, unit, step)
+        return compressed_allreduce(self.transport, x, arrays.meta_of(x).dtype, op="sum",
+                                    algorithm=self.algorithm, compressor=self.compressor,
+                                    check=check, seed=self.seed, residuals=unit,
+                                    key=unit.key)
+
+    def _native_nbytes(self, x: np.ndarray, unit: UnitResiduals, step: int) -> int:
+        """Bytes PowerSGD will hand to the library's allreduce for ``x`` (both rounds)."""
+        from ...collectives.powersgd import parts_of, wire_values
+
+        c = self.compressor
+        if self.transport.size == 1 or not x.size:
+            return 0
+        if step < c.start_iter:
+            return x.nbytes
+        return sum(wire_values(parts_of(x.size, unit.key, c, unit))) * x.itemsize
+
+
+__all__ = ["DEVICE_ALGORITHMS", "Routes", "STAGED_CODECS", "codec_algorithms"]

@@ -197,7 +197,7 @@ def check_allreduce(kind: str, n: int) -> list[dict]:
                                        **OPTIONS.get(name, {}))
                 meta = arrays.meta_of(y)
                 return arrays.copy_to_host(y).tobytes(), \
-                    f"{meta.kind} {meta.device} {arrays.codec_placement(meta)}"
+                    f"{meta.kind} {meta.device} {arrays.placement(meta, codecs=True)}"
 
             row: dict = {"kind": kind, "codec": name, "algorithm": algorithm}
             try:

@@ -20,9 +20,6 @@ from .collectives import dense_allreduce
 from .comm import get_transport
 from .errors import ConfigError
 
-#: where staged arrays live: codecs and host-only transports work on host memory
-_HOST = frozenset({"cpu"})
-
 
 def allreduce(x: Any, comm: Any = None, *, op: str = "sum", algorithm: str = "auto",
               compressor: Any = None, check: bool | str = True, **options: Any) -> Any:
@@ -69,24 +66,27 @@ def allreduce(x: Any, comm: Any = None, *, op: str = "sum", algorithm: str = "au
 def _flat(x: Any, t: Any, dense: bool) -> tuple[Any, Any]:
     """A fresh flat working copy of ``x`` and its Meta, placed where the reduction runs.
 
-    Dense sums keep a device array on the device only on a transport that moves device
-    buffers (CUDA-aware MPI), else they stage it through host memory. Compressed
-    reductions run their codecs where the data is (:func:`arrays.codec_placement`): a
-    device array stays a flat array of its own library on its device, and only payloads
-    cross to the host.
+    :func:`arrays.placement` decides where: dense sums keep a device array on the device
+    only on a transport that moves device buffers (CUDA-aware MPI), else they stage it
+    through host memory. Compressed reductions run their codecs where the data is: a
+    device array stays a flat array of its own library on its device ("native"), and
+    only payloads cross to the host; a numpy array is reduced on the host without
+    consulting ``GRADCOMM_CODEC_PLACEMENT``.
     """
-    if type(x) is not np.ndarray and not dense:
-        meta = arrays.meta_of(x)
-        if arrays.codec_placement(meta) == "device":
-            return arrays.to_flat_native(x), meta
-    return arrays.to_flat_for(x, t.devices if dense else _HOST)
+    b = arrays.backend(x)
+    meta = b.meta(x)
+    if dense:
+        where = arrays.placement(meta, t.devices)
+    elif type(x) is np.ndarray:
+        where = "host"
+    else:
+        where = arrays.placement(meta, codecs=True)
+    return b.to_flat(x, meta, where), meta
 
 
 def _unflat(buf: Any, meta: Any) -> Any:
     """The result as the user's kind of array, from :func:`_flat`'s buffer."""
-    if meta.kind == "torch" and not arrays.is_host(buf) and arrays.kind(buf) == "torch":
-        return arrays.from_flat_native(buf, meta)
-    return arrays.from_device_flat(buf, meta)
+    return arrays.from_flat(buf, meta)
 
 
 def allreduce_(x: Any, comm: Any = None, **kwargs: Any) -> Any:

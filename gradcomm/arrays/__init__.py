@@ -462,31 +462,3 @@ def clone(a: Any) -> Any:
     """
     return backend(a).clone(a)
 
-
-# -- the former converters, until their callers move to to_flat / from_flat / placement ------
-
-def to_flat_for(x: Any, devices: Any) -> tuple[Any, Meta]:
-    """:func:`to_flat` where :func:`placement` (dense) says."""
-    b = backend(x)
-    meta = b.meta(x)
-    return b.to_flat(x, meta, placement(meta, devices)), meta
-
-
-def from_device_flat(buf: Any, meta: Meta) -> Any:
-    """:func:`from_flat`."""
-    return from_flat(buf, meta)
-
-
-def to_flat_native(x: Any) -> Any:
-    """:func:`to_flat`'s "native" buffer."""
-    return to_flat(x, "native")[0]
-
-
-def from_flat_native(buf: Any, meta: Meta) -> Any:
-    """:func:`from_flat`."""
-    return from_flat(buf, meta)
-
-
-def codec_placement(meta: Meta) -> str:
-    """"device" where :func:`placement` with codecs says "native", else "host"."""
-    return "device" if placement(meta, codecs=True) == "native" else "host"

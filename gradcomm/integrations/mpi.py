@@ -128,7 +128,7 @@ class GradcommComm:
 
     def _gradcomm_route(self, send: _Buf | None, recv: _Buf, dtype: str, op: str) -> str:
         """"device" for a compressed sum whose codecs run where the buffers are
-        (:func:`arrays.codec_placement`); "direct" when gradcomm can reduce in the
+        (:func:`arrays.placement` says "native"); "direct" when gradcomm can reduce in the
         buffers' own memory: host memory, or device memory that the transport moves
         (CUDA-aware MPI) for a sum that is not compressed; else "staged" through host
         memory."""
@@ -136,7 +136,7 @@ class GradcommComm:
         if self._gradcomm_compresses(dtype, op):
             metas = [arrays.meta_of(b.obj) for b in sides]
             if len({(m.kind, m.device) for m in metas}) == 1 and \
-                    arrays.codec_placement(metas[0]) == "device":
+                    arrays.placement(metas[0], codecs=True) == "native":
                 return "device"
         if all(b.view is not None for b in sides):
             return "direct"

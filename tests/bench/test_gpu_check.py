@@ -45,7 +45,7 @@ def test_gpu_check_cpu_mode_times_and_checks_every_codec(tmp_path: Path) -> None
     checks = {(r["codec"], r["algorithm"]): r for r in res["allreduce"]}
     assert set(checks) == {(n, a) for n in compressors.names() for a in ("allgather", "ring")}
     for key, r in checks.items():
-        assert r["equal_host"] is True and r["where"] == "torch cpu device", (key, r)
+        assert r["equal_host"] is True and r["where"] == "torch cpu native", (key, r)
 
 
 def test_gpu_check_without_a_gpu_reports_the_environment_only(tmp_path: Path) -> None:

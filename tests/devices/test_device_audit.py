@@ -290,9 +290,9 @@ def test_array_helpers_keep_device_rules(lazy) -> None:
         assert arrays.host(arrays.cast(g, "float64")).tobytes() == \
             f.astype(np.float64).tobytes()
         b16 = torch.from_numpy(f).to(torch.bfloat16).to(lazy).reshape(9, 111)
-        flat = arrays.to_flat_native(b16)
+        flat, meta = arrays.to_flat(b16, "native")
         assert arrays.dtype_name(flat) == "uint16" and flat.device.type == "lazy"
-        back = arrays.from_flat_native(flat, arrays.meta_of(b16))
+        back = arrays.from_flat(flat, meta)
         assert back.dtype == torch.bfloat16 and torch.equal(back.cpu(), b16.cpu())
         raw = arrays.copy_to_host(g, 12)
         assert raw.tobytes() == f[:3].tobytes()

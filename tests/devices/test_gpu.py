@@ -6,8 +6,8 @@ logic is covered on any machine), ``torch-cuda`` where ``torch.cuda.is_available
 skip cleanly elsewhere. ``bench/gpu_check.py`` runs this file on a GPU machine.
 
 Covered: staged allreduce (host copies that wait for the producing stream), the
-device-resident path of a transport that moves device buffers (``to_flat_for`` +
-``dense_allreduce`` on cupy buffers), ``gradcomm.Allreduce`` with a compressor and error
+device-resident path of a transport that moves device buffers (``arrays.placement`` +
+``to_flat`` + ``dense_allreduce`` on cupy buffers), ``gradcomm.Allreduce`` with a compressor and error
 feedback, the compressed path of the public API (staged for the codecs, result back on
 the device), the byte copies ``wrap()`` stages device buffers with
 (``arrays.copy_to_host`` / ``copy_from_host`` / ``byte_view``), ``wrap()``'s routes
@@ -113,13 +113,14 @@ def test_device_resident_path_for_transports_that_move_device_buffers(place):
     def fn(t):
         t.devices = frozenset({"cpu", "cuda"})      # as a CUDA-aware MPI transport says
         x = make(place, np.arange(10, dtype=np.float64) * (t.rank + 1), "float32")
-        buf, meta = arrays.to_flat_for(x, t.devices)
+        at = arrays.placement(arrays.meta_of(x), t.devices)
+        buf, meta = arrays.to_flat(x, at)
         expect_device = meta.device != "cpu" and CUPY
         assert arrays.is_device(buf) == expect_device
-        assert arrays.placement(meta, t.devices) == ("device" if expect_device else "host")
+        assert at == ("device" if expect_device else "host")
         dense_allreduce(t, buf, "sum", meta.dtype, "ring")
         arrays.sync(buf)
-        y = arrays.from_device_flat(buf, meta)
+        y = arrays.from_flat(buf, meta)
         assert where(y) == where(x)
         return host(y)
 
@@ -148,16 +149,17 @@ def test_public_api_on_a_transport_that_moves_device_buffers(place):
 
 
 @pytest.mark.parametrize("place", PLACES)
-def test_to_flat_for_round_trips_bitwise_and_never_aliases(place):
+def test_to_flat_round_trips_bitwise_and_never_aliases(place):
     vals = np.linspace(-3, 3, 17)
     for dt in ("float16", "float32", "bfloat16") if place.startswith("torch") else \
             ("float16", "float32"):
         x = make(place, vals, dt)
-        buf, meta = arrays.to_flat_for(x, {"cpu", "cuda"})
+        at = arrays.placement(arrays.meta_of(x), {"cpu", "cuda"})
+        buf, meta = arrays.to_flat(x, at)
         buf[...] = 0                                     # x must not change
         assert host(x).tolist() == host(make(place, vals, dt)).tolist()
-        buf2, meta2 = arrays.to_flat_for(x, {"cpu", "cuda"})
-        y = arrays.from_device_flat(buf2, meta2)
+        buf2, meta2 = arrays.to_flat(x, at)
+        y = arrays.from_flat(buf2, meta2)
         assert where(y) == where(x) and y.dtype == x.dtype
         np.testing.assert_array_equal(host(y), host(x))
 

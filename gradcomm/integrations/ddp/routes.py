@@ -113,7 +113,8 @@ class Routes:
             assert self.compressor is not None
             gather = self.algorithm in DEVICE_ALGORITHMS and \
                 self.compressor.name not in STAGED_CODECS
-            return "device" if gather and arrays.codec_placement(meta) == "device" else "host"
+            return "device" if gather and arrays.placement(meta, codecs=True) == "native" \
+                else "host"
         lib = self.library
         if lib is not None and meta.device != "cpu" and self.algorithm in ("auto", "native") \
                 and lib.native_supports(meta.dtype, "sum"):

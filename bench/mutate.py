@@ -71,11 +71,11 @@ def _bench(p: int) -> tuple[str, ...]:
 #: check name -> command (run in the scratch copy); a test file missing there: n/a
 CHECKS: dict[str, tuple[str, ...]] = {
     "conformance": _pytest("tests/collectives/test_conformance.py"),
-    "compressed": _pytest("tests/collectives/test_compressed.py"),
+    "compressed": _pytest("tests/compressed/test_allreduce.py"),
     "replay": _pytest("tests/bench/test_replay.py"),
     "codecs": _pytest("tests/compressors/test_codecs.py", "tests/compressors/test_properties.py"),
     "error_feedback": _pytest("tests/test_error_feedback.py"),
-    "powersgd": _pytest("tests/collectives/test_powersgd.py",
+    "powersgd": _pytest("tests/compressed/test_powersgd.py",
                         "tests/compressors/test_powersgd_codec.py"),
     "ddp_exact": _pytest("tests/integrations/ddp/test_ddp_hook.py", "-k",
                          "independent_reduction"),
@@ -94,7 +94,7 @@ _RD = "gradcomm/collectives/recursive_doubling.py"
 _RAB = "gradcomm/collectives/rabenseifner.py"
 _DDP_ROUTES = "gradcomm/integrations/ddp/routes.py"
 _DDP_RESIDUALS = "gradcomm/integrations/ddp/residuals.py"
-_COMPRESSED = "gradcomm/collectives/compressed.py"
+_SEEDS = "gradcomm/compressed/seeds.py"
 
 MUTANTS: tuple[Mutant, ...] = (
     # -- a misplaced segment in each dense algorithm
@@ -145,19 +145,18 @@ MUTANTS: tuple[Mutant, ...] = (
            _SEED),
     Mutant("shared-seed-per-rank", "compressed allreduce adds the rank to shared seeds "
            "(whole buffers and partial hops: randomk's positions differ across ranks)",
-           (Patch(_COMPRESSED, "return self.base if self.shared else (*self.base, self.rank)",
+           (Patch(_SEEDS, "return self.base if self.shared else (*self.base, self.rank)",
                   "return (*self.base, self.rank)"),
-            Patch(_COMPRESSED, "    def partial(self, off: int, n: int, hop: int) -> "
-                  "tuple[int, ...]:\n        if self.shared:\n            return (*self.base, "
-                  "off, n)", "    def partial(self, off: int, n: int, hop: int) -> "
-                  "tuple[int, ...]:\n        if self.shared:\n            return (*self.base, "
-                  "self.rank, off, n)")),
+            Patch(_SEEDS, "        if self.shared:\n            return (*self.base, off, n)\n"
+                  "        return (*self.base, self.rank, 1, hop, off, n)",
+                  "        if self.shared:\n            return (*self.base, self.rank, off, n)\n"
+                  "        return (*self.base, self.rank, 1, hop, off, n)")),
            _SEED),
     Mutant("powersgd-projection-per-rank", "PowerSGD's random start Q is drawn from "
            "seed + rank (not shared)",
-           (Patch("gradcomm/collectives/powersgd.py",
-                  "qs = [_start_q(part, c, residuals, seed, step, wdt)",
-                  "qs = [_start_q(part, c, residuals, seed + t.rank, step, wdt)"),),
+           (Patch("gradcomm/compressed/allreduce.py",
+                  "powersgd.start(codec, parts, residuals, seed, step,",
+                  "powersgd.start(codec, parts, residuals, seed + t.rank, step,"),),
            ("powersgd", "replay")),
     # -- a fold that drops one rank's contribution at a non-power-of-two p
     Mutant("tree-drops-last-rank", "tree reduce skips rank p-1's partial when p is not a "

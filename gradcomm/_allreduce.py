@@ -55,7 +55,7 @@ def allreduce(x: Any, comm: Any = None, *, op: str = "sum", algorithm: str = "au
                               "compressor=...)")
         dense_allreduce(t, buf, op, meta.dtype, algorithm, check=check)
     else:
-        from .collectives.compressed import compressed_allreduce
+        from .compressed import compressed_allreduce
 
         buf = compressed_allreduce(t, buf, meta.dtype, op=op, algorithm=algorithm,
                                    compressor=compressor or "none", check=check,
@@ -210,7 +210,7 @@ class Allreduce:
             dense_allreduce(t, buf, self.op, meta.dtype, self.algorithm, check=self.check)
             self.error_feedback.advance(key)
         else:                               # (a sparse gradient may go uncompressed through
-            from .collectives.compressed import compressed_allreduce    # sparse_allgather)
+            from .compressed import compressed_allreduce    # sparse_allgather)
 
             buf = compressed_allreduce(t, buf, meta.dtype, op=self.op,
                                        algorithm=self.algorithm,

@@ -237,13 +237,13 @@ def describe(prof: Profile) -> list[str]:
 def route_defaults_line(prof: Profile | None) -> str:
     """Which constants of the compressed route model (``auto``'s route choice) this
     profile does not measure: they stay the hand-set defaults of
-    :mod:`gradcomm.collectives.compressed`, printed as such.
+    :mod:`gradcomm.collectives.costmodel`, printed as such.
 
     Example:
         >>> route_defaults_line(None).startswith("# compressed routes use defaults")
         True
     """
-    from ..collectives import compressed as c
+    from ..collectives import costmodel as c
 
     measured = {k.split(":")[0] for k in (prof.codecs if prof is not None else {})}
     default_codecs = [k for k in c.CODEC_COST if k not in measured]

@@ -2,7 +2,7 @@
 
 :func:`replay` takes every rank's input and the call's arguments (codec, seed, step, key,
 error-feedback state) and returns what every rank of
-:func:`~gradcomm.collectives.compressed.compressed_allreduce` must hold, **bitwise**. It
+:func:`~gradcomm.compressed.compressed_allreduce` must hold, **bitwise**. It
 is written from the documented schedules (``ring.py``, ``tree.py``,
 ``recursive_doubling.py``, ``rabenseifner.py``, ``_segments.py``, ``_fold.py``, the
 ``compressed.py`` module docstring, ``powersgd.py``) and uses only the codecs' public
@@ -36,7 +36,7 @@ DDP hook's per-parameter residual store.
 Example:
     >>> import numpy as np
     >>> from gradcomm.comm import run_ranks
-    >>> from gradcomm.collectives.compressed import compressed_allreduce
+    >>> from gradcomm.compressed import compressed_allreduce
     >>> xs = [np.random.default_rng(r).standard_normal(10).astype(np.float32)
     ...       for r in range(3)]
     >>> got = run_ranks(3, lambda t: compressed_allreduce(
@@ -360,7 +360,7 @@ def segment_codec(codec: Compressor, n: int) -> Compressor:
 
 def _chunk_elements(codec: Compressor, n: int, dt: np.dtype) -> int:
     """Elements per pipelined message of the compressed ring and tree."""
-    from ..collectives.compressed import CHUNK_BYTES
+    from ..compressed.routes import CHUNK_BYTES
 
     itemsize = dt.itemsize
     ratio = n * itemsize / max(1, int(codec.max_nbytes(n, dt.name)))
@@ -654,7 +654,7 @@ def replay(inputs: Sequence[np.ndarray], *, dtype: str, op: str = "sum", algorit
     rank, in rank order) must hold afterwards, as a flat array of ``dtype``'s storage.
 
     ``algorithm``: one of :data:`ROUTES`, or ``"auto"`` with ``transport`` (any rank's
-    transport of the group: the route is :func:`~gradcomm.collectives.compressed.auto_route`'s).
+    transport of the group: the route is :func:`~gradcomm.compressed.auto_route`'s).
     ``residuals``: one :class:`~gradcomm.error_feedback.ErrorFeedback` per rank, updated as
     each rank's would be (residuals, hop residuals, PowerSGD's warm starts, the key's step
     advanced); ``step`` defaults to the key's step there (else 0). ``transport`` also makes
@@ -709,8 +709,8 @@ def _replay(xs: list[np.ndarray], dtype: str, op: str, algorithm: str, codec: Co
     if name == "auto":
         if transport is None:
             raise ConfigError("replay(algorithm='auto') needs transport= (the route is "
-                              "gradcomm.collectives.compressed.auto_route's)")
-        from ..collectives.compressed import auto_route
+                              "gradcomm.compressed.auto_route's)")
+        from ..compressed import auto_route
 
         name = auto_route(transport, codec, n, dtype)
     if name not in ROUTES:

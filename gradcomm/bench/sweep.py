@@ -446,11 +446,9 @@ class _Run:
 def _next_plain_step(t: Transport, compressor: str | None) -> int:
     """The step the next compressed call without a residual store takes on ``t``: the
     count of earlier such calls there (PowerSGD counts its own)."""
-    if compressor == "powersgd":
-        from ..collectives.powersgd import _STEPS
-    else:
-        from ..collectives.compressed import _STEPS
-    return _STEPS.get(t, 0)
+    from ..compressed.state import peek_step
+
+    return peek_step(t, "powersgd" if compressor == "powersgd" else "codec")
 
 
 def _bytes_differ(got: np.ndarray, ref: np.ndarray) -> int:

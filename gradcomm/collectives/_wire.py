@@ -2,7 +2,7 @@
 
 Ring, tree, recursive doubling and Rabenseifner are written once against a ``Wire``:
 :class:`DenseWire` sends raw values (and receives the allgather phase straight into
-place, with no copy); a compressed wire (``gradcomm.collectives.compressed``) sends codec
+place, with no copy); a compressed wire (``gradcomm.compressed.wire``) sends codec
 payloads and decodes-adds-re-encodes at each hop. The operations:
 
 - ``partial_buffer(n, like, slot=0)``: a buffer to receive a peer's encoded *partial*

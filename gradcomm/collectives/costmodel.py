@@ -25,6 +25,28 @@ native             measured: interpolated linearly between the calibrated sizes
 at most c for ring, n for recursive doubling, n/2 for Rabenseifner, at most c for tree):
 the fitted β, or more where the calibrated exchanges of that size took longer per byte.
 
+**Compressed routes** (:func:`route_times`, behind a compressed ``algorithm="auto"``):
+``T = α·messages + β·bytes sent + e·elements encoded + g·elements decoded`` per rank,
+for n elements, c = ``max_nbytes`` of the whole buffer, p ranks (q, k as above,
+m = ceil(c/p / chunk) chunks per segment):
+
+======================  ==============  ============  ========  ========================
+route                   messages        bytes sent    encoded   decoded
+======================  ==============  ============  ========  ========================
+ring (per hop)          2(p−1)·m        2(p−1)/p·c    n         (2p−1)/p·n
+rabenseifner (per hop)  2k (+2 fold)    2(q−1)/q·c    n         (2q−1)/q·n
+recursive doubling      k (+2 fold)     k·c           (k+1)·n   (2k+1)·n
+tree (per hop)          2·log2(p)·m     2·log2(p)·c   n         2n
+allgather               p−1 (Bruck:     (p−1)·c       n         p·n
+                        ceil(log2 p))
+sparse_allgather        p (Bruck: +1)   (p−1)·c       n         n (zero fill; scatter k·p)
+======================  ==============  ============  ========  ========================
+
+α, β and the copy speed come from a profile if there is one, else the defaults
+:data:`ALPHA`, :data:`BETA`, :data:`COPY_S` (hand-set, not measured); e and g are the
+default :data:`CODEC_COST` (in copies of one element; a profile's measured codec speeds
+replace them); :data:`WIRE_ALPHA` is a default either way.
+
 Example:
     >>> prof = Profile("threads", 4, alpha=1e-5, beta=1e-9, gamma={"float32": 5e-10})
     >>> round(prof.predict("recursive_doubling", 1024, 4) * 1e6, 2)
@@ -33,6 +55,9 @@ Example:
     'recursive_doubling'
     >>> Profile.from_json(prof.to_json()).digest() == prof.digest()
     True
+    >>> t = route_times(4, 10**6, 10**6, 4, "int8", "rabenseifner", gathered=True)
+    >>> min(t, key=t.get)
+    'rabenseifner'
 """
 
 from __future__ import annotations
@@ -283,3 +308,101 @@ class Profile:
         except OSError as exc:
             raise ConfigError(f"cannot read profile {path}: {exc}") from None
         return cls.from_json(text, path)
+
+
+# -- compressed routes --------------------------------------------------------------------
+# Route-model **defaults**: hand-set constants, not measurements of this machine. They
+# steer a compressed ``algorithm="auto"``'s route choice wherever no calibrated profile
+# says otherwise (a profile's α, β, copy speed and codec speeds replace ALPHA, BETA, COPY_S
+# and CODEC_COST; WIRE_ALPHA is always this default). ``python -m gradcomm.bench
+# --calibrate`` prints which of them its profile replaces and which stay defaults.
+#: default (encode, decode) cost per element, in float32 element copies, of each codec's
+#: kernels (rough figures read off ``python -m gradcomm.bench --codecs``; not re-measured
+#: per machine)
+CODEC_COST: dict[str, tuple[float, float]] = {
+    "none": (0.5, 0.5), "fp16": (0.6, 0.6), "bf16": (0.6, 0.6), "int8": (2.4, 1.3),
+    "qsgd": (1.7, 0.75), "terngrad": (1.5, 0.8), "onebit": (1.2, 0.65),
+    "topk": (2.6, 0.75), "randomk": (2.1, 2.1)}
+#: default cost of a codec with no entry above (copies per element)
+DEFAULT_COST = (2.0, 1.0)
+#: default seconds per compressed message without a profile (transport, framing, parsing)
+ALPHA = 60e-6
+#: default cost of a compressed message beyond a profile's α (framing, parsing, Python);
+#: not calibrated: added to the profile's α
+WIRE_ALPHA = 40e-6
+#: default seconds per byte sent without a profile (between shared memory and 10 Gbit/s)
+BETA = 0.5e-9
+#: default seconds per byte of a memory copy without a profile
+COPY_S = 0.1e-9
+#: target bytes of one compressed message of the per-hop ring and tree (the default of
+#: :func:`route_times`' ``chunk_bytes``)
+COMPRESSED_CHUNK_BYTES = 2 << 20
+
+
+def route_times(p: int, n: int, c: int, itemsize: int, codec: str, per_hop: str,
+                profile: Any = None, *, gathered: bool, sparse: bool = False,
+                chunk_bytes: int = COMPRESSED_CHUNK_BYTES) -> dict[str, float]:
+    """Modelled seconds of each candidate route of a compressed allreduce (the module
+    docstring's second table) through codec ``codec`` (its name): the per-hop route
+    ``per_hop``, and for ``gathered`` codecs (not summable) also ``allgather``, or
+    ``sparse_allgather`` for ``sparse`` ones. ``profile``: a :class:`Profile` or None
+    (the defaults)."""
+    a, b, copy = ALPHA, BETA, COPY_S
+    if profile is not None:
+        a, b, copy = profile.alpha + WIRE_ALPHA, profile.beta, profile.copy or COPY_S
+    e, g = (x * copy * itemsize for x in CODEC_COST.get(codec, DEFAULT_COST))
+    measured = profile.codecs if profile is not None else {}
+    for spec in sorted(measured):                 # s per float32 byte, measured
+        if spec == codec or spec.startswith(codec + ":"):
+            e = measured[spec].get("encode", e / itemsize) * itemsize
+            g = measured[spec].get("decode", g / itemsize) * itemsize
+            break
+    q = 1 << (p.bit_length() - 1)
+    k = q.bit_length() - 1
+    fold = 0 if p == q else 1
+    m = max(1, -(-c // p // chunk_bytes))
+    logp = (p - 1).bit_length()
+    # (messages, bytes, encoded elements, decoded elements)
+    shapes = {
+        "ring": (2 * (p - 1) * m, 2 * (p - 1) / p * c, n, (2 * p - 1) / p * n),
+        "rabenseifner": (2 * k + 2 * fold, 2 * (q - 1) / q * c + fold * c, n + fold * n,
+                         (2 * q - 1) / q * n + fold * 2 * n),
+        "recursive_doubling": (k + 2 * fold, k * c + fold * c, (k + 1 + fold) * n,
+                               (2 * k + 1 + 2 * fold) * n),
+        "tree": (2 * logp * m, 2 * logp * c, n, 2 * n),
+    }
+    gather_msgs = logp if p * c < 64 * 1024 else p - 1
+    out = {per_hop: shapes[per_hop] if per_hop in shapes else shapes["ring"]}
+    extra = {}
+    if gathered:
+        if sparse:
+            out["sparse_allgather"] = (gather_msgs + 1, (p - 1) * c, n, 0.0)
+            extra["sparse_allgather"] = copy * itemsize * n      # the zero fill
+        else:
+            out["allgather"] = (gather_msgs, (p - 1) * c, n, p * n)
+    return {name: a * msgs + b * nbytes + e * enc + g * dec + extra.get(name, 0.0)
+            for name, (msgs, nbytes, enc, dec) in out.items()}
+
+
+class _NoLink:
+    """A profile's codec and copy speeds with free messages and bytes."""
+
+    def __init__(self, prof: Profile) -> None:
+        self.alpha, self.beta = -WIRE_ALPHA, 0.0
+        self.copy, self.codecs = prof.copy, prof.codecs
+
+
+def link_bound(profile: Profile, p: int, n: int, c: int, itemsize: int, codec: str, *,
+               chunk_bytes: int = COMPRESSED_CHUNK_BYTES) -> bool:
+    """Whether ``profile`` models a compressed ring's wire time (``c`` payload bytes of
+    ``n`` elements) at more than twice its codec time (then keeping the link busy pays
+    for a worker thread: :mod:`~gradcomm.compressed.ring`).
+
+    Example:
+        >>> slow = Profile("mpi", 2, alpha=1e-5, beta=1e-6, gamma={"float32": 1e-10})
+        >>> link_bound(slow, 2, 10**6, 2 * 10**6, 4, "fp16")
+        True
+    """
+    coding = route_times(p, n, c, itemsize, codec, "ring", _NoLink(profile),
+                         gathered=False, chunk_bytes=chunk_bytes)["ring"]
+    return profile.beta * 2 * (p - 1) / p * c > 2 * coding

@@ -16,7 +16,7 @@ onebit      gathered    n/8 + 8 bytes per bucket
 powersgd    summable    4r(rows + cols) per rows x cols matrix, in two rounds (rank r)
 ==========  ==========  ===========================================================
 
-``powersgd`` is stateful: its own collective (:mod:`gradcomm.collectives.powersgd`) sums
+``powersgd`` is stateful: its own collective (:mod:`gradcomm.compressed.powersgd`) sums
 the factors ``P`` then ``Q`` in two dense rounds (any dense algorithm, ``native``
 included) and keeps each key's warm-start ``Q`` with the error-feedback state. A tensor
 of 2+ dims is viewed as ``(shape[0], rest)`` (``allreduce``, ``Allreduce`` and the DDP

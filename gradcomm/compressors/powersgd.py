@@ -4,7 +4,7 @@ A gradient part of ``n`` elements is viewed as a matrix ``M`` (``rows`` x ``cols
 sent as two thin factors: ``P = M Q`` is orthogonalised (Gram-Schmidt), ``Q = M^T P``,
 and the receiver forms ``P Q^T``. Both products are linear in ``M``, so the factors of
 several ranks can be *summed* (with one shared ``Q``): that is what
-:func:`gradcomm.collectives.powersgd.powersgd_allreduce` does, in two allreduce rounds
+:mod:`gradcomm.compressed.powersgd` does, in two allreduce rounds
 of ``r·rows`` and ``r·cols`` values, keeping ``Q`` per key as a warm start between steps
 (stateful; this module holds only the stateless parts).
 

@@ -167,7 +167,7 @@ class GradcommComm:
         t = self.gradcomm_transport
         algorithm, compressor = opts["algorithm"], opts["compressor"]
         if self._gradcomm_compresses(dtype, op):
-            from ..collectives.compressed import compressed_allreduce
+            from ..compressed import compressed_allreduce
 
             out = compressed_allreduce(t, buf, dtype, op="sum", algorithm=algorithm,
                                        compressor=compressor, check=opts["check"],
@@ -229,7 +229,7 @@ def wrap(comm: Any, algorithm: str = "auto", compressor: Any = None, *, check: b
                               f"{', '.join(a for a in ALGORITHMS if a != 'sparse_allgather')}")
     else:
         from .. import compressors
-        from ..collectives.compressed import COMPRESSED_ALGORITHMS
+        from ..compressed import COMPRESSED_ALGORITHMS
 
         compressors.get(compressor, **options)       # fails early on a bad name/option
         if algorithm not in COMPRESSED_ALGORITHMS:

@@ -340,7 +340,7 @@ def _plant(monkeypatch, fault):
     elif fault == "hop_residual":                   # error feedback forgets its residual
         import numpy as np_
 
-        from gradcomm.collectives.compressed import CompressedWire
+        from gradcomm.compressed.wire import CompressedWire
 
         monkeypatch.setattr(CompressedWire, "_hop_residual",
                             lambda self, name, off, n, dtype: np_.zeros(n, np_.float32))
@@ -390,7 +390,7 @@ def test_plot_without_matplotlib_fails_before_measuring(monkeypatch, capsys):
 def _lossy_codecs() -> list[str]:
     from gradcomm import compressors
 
-    if importlib.util.find_spec("gradcomm.collectives.compressed") is None:
+    if importlib.util.find_spec("gradcomm.compressed") is None:
         return []
     return [n for n in ("fp16", "int8", "topk") if n in compressors.names()]
 

@@ -11,7 +11,7 @@ import pytest
 from gradcomm import compressors
 from gradcomm._dtypes import f32_to_bf16
 from gradcomm.bench.replay import ROUTES, replay
-from gradcomm.collectives import compressed as C
+from gradcomm.compressed import auto_route, compressed_allreduce, routes
 from gradcomm.comm import run_ranks
 from gradcomm.error_feedback import ErrorFeedback
 
@@ -45,10 +45,10 @@ def _check(name: str, route: str, p: int, n: int, *, op: str, ef: bool,
         state = ErrorFeedback(enabled=ef)
         outs = []
         for s in range(steps):
-            outs.append(C.compressed_allreduce(t, xs[s][t.rank].copy(), dtype, op=op,
-                                               algorithm=route, compressor=name, seed=5,
-                                               residuals=state, key="w", **opts).copy())
-        concrete = C.auto_route(t, name, n, dtype, **opts) if route == "auto" else route
+            outs.append(compressed_allreduce(t, xs[s][t.rank].copy(), dtype, op=op,
+                                             algorithm=route, compressor=name, seed=5,
+                                             residuals=state, key="w", **opts).copy())
+        concrete = auto_route(t, name, n, dtype, **opts) if route == "auto" else route
         return outs, concrete, state
 
     res = run_ranks(p, fn, timeout=120)
@@ -95,7 +95,7 @@ def test_replay_other_dtypes(name: str, dtype: str) -> None:
 def test_replay_chunked_ring_and_tree(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Several chunks per segment (a small CHUNK_BYTES makes them at small counts); the
     pipelined ring (worker thread) has the same schedule and the same bytes."""
-    monkeypatch.setattr(C, "CHUNK_BYTES", 64)
+    monkeypatch.setattr(routes, "CHUNK_BYTES", 64)
     for route, p, n in (("ring", 3, 301), ("tree", 5, 301), ("ring", 4, 1001)):
         _check(name, route, p, n, op="mean", ef=True)
     monkeypatch.setenv("GRADCOMM_PIPELINE", "1")

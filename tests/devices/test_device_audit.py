@@ -323,16 +323,17 @@ def raw(t) -> bytes:
 
 
 def _device_wires(monkeypatch: pytest.MonkeyPatch) -> list:
-    """Records, per CompressedWire made, whether its codecs ran on the device."""
-    from gradcomm.collectives import compressed
+    """Records, per codec frame set made (every route makes one), whether its codecs ran
+    on the device."""
+    from gradcomm.compressed.frames import Frames
 
     seen: list = []
-    init = compressed.CompressedWire.__init__
+    init = Frames.__init__
 
     def spy(self, *args, **kwargs):
         init(self, *args, **kwargs)
         seen.append(self.device)
-    monkeypatch.setattr(compressed.CompressedWire, "__init__", spy)
+    monkeypatch.setattr(Frames, "__init__", spy)
     return seen
 
 

@@ -53,10 +53,10 @@ def codec_algorithms(codec: Any) -> tuple[str, ...]:
     """The algorithms a lossy codec composes with: PowerSGD's two rounds are dense sums,
     so any dense algorithm (``native`` too); every other codec, the compressed ones."""
     if codec.name == "powersgd":                   # routed as compressed_allreduce does
-        from ...collectives.powersgd import ALGORITHMS as POWERSGD_ALGORITHMS
+        from ...compressed import POWERSGD_ALGORITHMS
 
         return POWERSGD_ALGORITHMS
-    from ...collectives.compressed import COMPRESSED_ALGORITHMS
+    from ...compressed import COMPRESSED_ALGORITHMS
 
     return COMPRESSED_ALGORITHMS
 
@@ -203,7 +203,7 @@ class Routes:
                     step: int) -> Any:
         """Compressed allreduce (sum) of flat ``x`` (host numpy, or a tensor reduced where
         it lives) with the residuals of ``keys``."""
-        from ...collectives.compressed import compressed_allreduce
+        from ...compressed import compressed_allreduce
 
         unit = self.residuals.open(keys, lengths, x, step)
         if self.algorithm == "native":                  # PowerSGD's rounds, on the library
@@ -215,7 +215,7 @@ class Routes:
 
     def _native_nbytes(self, x: np.ndarray, unit: UnitResiduals, step: int) -> int:
         """Bytes PowerSGD will hand to the library's allreduce for ``x`` (both rounds)."""
-        from ...collectives.powersgd import parts_of, wire_values
+        from ...compressed.powersgd import parts_of, wire_values
 
         c = self.compressor
         if self.transport.size == 1 or not x.size:

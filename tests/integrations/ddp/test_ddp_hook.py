@@ -195,7 +195,7 @@ def _psgd_steps(state, model, rank: int, steps: range) -> list[bytes]:
 
 
 def test_powersgd_hook_uses_shapes_runs_on_native_and_counts_its_bytes():
-    from gradcomm.collectives.powersgd import parts_of, wire_values
+    from gradcomm.compressed.powersgd import parts_of, wire_values
 
     def fn(t, algorithm):
         model = _psgd_model()

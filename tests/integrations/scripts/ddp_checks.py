@@ -478,7 +478,7 @@ def _reference_unit(ranks: list[_RefRank], gs: list[np.ndarray], keys: list[str]
     import copy
 
     from gradcomm.bench.replay import replay
-    from gradcomm.collectives.compressed import HOP_ALGORITHMS, compressed_allreduce
+    from gradcomm.compressed import HOP_ALGORITHMS, compressed_allreduce
 
     p, unit = len(ranks), unit_key(keys)
     starts = np.concatenate([[0], np.cumsum(lengths)]).astype(int)

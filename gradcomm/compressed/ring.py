@@ -18,13 +18,9 @@ codec work runs on one worker thread while the calling thread only moves message
 Used only on transports whose requests can be polled (:data:`POLLABLE`), for large
 messages (:data:`MIN_BYTES`; a thread costs more than it hides on small ones), and when
 the node has a spare core per rank for the worker, or a calibrated profile says the link
-is the bottleneck. Measured on a 2-core machine running 2 ranks (100 MB, float32): over
-shared memory and over a 10 Gbit/s link the worker made the ring 0-40 % *slower* (four
-threads share two cores; each chunk crosses threads); over 1 Gbit/s it made fp16 and int8
-20-25 % faster (MPI over TCP moves data only while a rank is inside an MPI call: the
-serial ring stalls the link while it computes), onebit and top-k 10-20 % slower (their
-payloads are small: codec-bound). Every wait has the transport's deadline; an error on the worker (a bad peer
-frame) or a deadline abandons the pending messages and is raised in the caller.
+is the bottleneck (measurements: ``bench/COMPRESSED.md``). Every wait has the transport's
+deadline; an error on the worker (a bad peer frame) or a deadline abandons the pending
+messages and is raised in the caller.
 
 The environment variable ``GRADCOMM_PIPELINE`` set to ``0`` turns the pipelined path
 off, ``1`` forces it at any size (tests, measurements).
@@ -33,10 +29,11 @@ Example:
     >>> import numpy as np
     >>> from gradcomm import compressors
     >>> from gradcomm.comm import run_ranks
-    >>> from gradcomm.collectives.compressed import CompressedWire, _Seeds
+    >>> from gradcomm.compressed.seeds import Seeds
+    >>> from gradcomm.compressed.wire import CompressedWire
     >>> def fn(t):
     ...     x = np.full(5, t.rank + 1.0, np.float32)
-    ...     seeds = _Seeds(0, 0, "w", t.rank, False)
+    ...     seeds = Seeds(0, 0, "w", t.rank, False)
     ...     allreduce(t, x, CompressedWire(compressors.get("fp16"), x, seeds), chunk_bytes=8)
     ...     return x.tolist()
     >>> run_ranks(3, fn)[0]
@@ -54,7 +51,7 @@ from typing import Any, Callable
 from .. import arrays
 from ..comm.base import TAG_DATA, Request, Transport
 from ..errors import DeadlineError
-from ._segments import ring_schedule
+from ..collectives._segments import ring_schedule
 
 #: dense bytes from which compressed ring allreduces take the pipelined path by default
 MIN_BYTES = 4 << 20

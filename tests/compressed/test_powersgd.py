@@ -13,8 +13,9 @@ import pytest
 import gradcomm
 from gradcomm.collectives import dense_allreduce
 from gradcomm.collectives._check import agree
-from gradcomm.collectives.compressed import compressed_allreduce
-from gradcomm.collectives.powersgd import ALGORITHMS, parts_of, powersgd_allreduce, wire_values
+from gradcomm.compressed import POWERSGD_ALGORITHMS as ALGORITHMS
+from gradcomm.compressed import compressed_allreduce
+from gradcomm.compressed.powersgd import parts_of, wire_values
 from gradcomm.comm import run_ranks
 from gradcomm.compressors.powersgd import PowerSGD
 from gradcomm.error_feedback import ErrorFeedback, torch_safe_globals
@@ -96,9 +97,9 @@ def test_sums_of_rank_r_matrices_are_recovered_exactly(p: int) -> None:
                     y = ar(mine, key="w")
                     res = ar.error_feedback.residual("w", n * m, np.float64)
                 else:
-                    y = powersgd_allreduce(t, mine.reshape(-1).copy(), "float64", op="sum",
-                                           algorithm="auto", codec="powersgd", rank=r,
-                                           residuals=ef, key="w", shape=(n, m))
+                    y = compressed_allreduce(t, mine.reshape(-1).copy(), "float64", op="sum",
+                                             algorithm="auto", compressor="powersgd", rank=r,
+                                             residuals=ef, key="w", shape=(n, m))
                     res = ef.residual("w", n * m, np.float64)
                 err = np.abs(y.reshape(n, m) - exact).max() / np.abs(exact).max()
                 out.append((r, how, s, err, float(np.abs(res).max())))
@@ -125,9 +126,9 @@ def test_warm_start_converges_to_the_best_rank_r_approximation() -> None:
         ef = ErrorFeedback(enabled=False)
         errs = []
         for _ in range(12):
-            y = powersgd_allreduce(t, share.reshape(-1).copy(), "float64", op="sum",
-                                   algorithm="ring", codec="powersgd", rank=r,
-                                   warm_start=warm, residuals=ef, key="w", shape=(n, m))
+            y = compressed_allreduce(t, share.reshape(-1).copy(), "float64", op="sum",
+                                     algorithm="ring", compressor="powersgd", rank=r,
+                                     warm_start=warm, residuals=ef, key="w", shape=(n, m))
             errs.append(np.linalg.norm(y.reshape(n, m) - total) / best)
         return errs
 
@@ -151,9 +152,9 @@ def test_error_feedback_telescopes(p: int) -> None:
         for s in range(T):
             g = np.random.default_rng((s, t.rank)).standard_normal(n)
             ins.append(g.copy())
-            outs.append(powersgd_allreduce(t, g, "float64", op="sum", algorithm="ring",
-                                           codec="powersgd", rank=1, residuals=ef, key="w",
-                                           shapes=shapes))
+            outs.append(compressed_allreduce(t, g, "float64", op="sum", algorithm="ring",
+                                             compressor="powersgd", rank=1, residuals=ef,
+                                             key="w", shapes=shapes))
         return outs, ins, ef.residual("w", n, np.float64).copy()
 
     res = run_ranks(p, fn)
@@ -210,14 +211,14 @@ def test_resume_through_torch_save_weights_only() -> None:
 
 def test_reset_forgets_the_warm_start() -> None:
     ef = ErrorFeedback()
-    run_ranks(1, lambda t: powersgd_allreduce(t, np.ones(400), "float64", op="sum",
-                                              algorithm="ring", codec="powersgd",
-                                              residuals=ef, key="w"))
+    run_ranks(1, lambda t: compressed_allreduce(t, np.ones(400), "float64", op="sum",
+                                                algorithm="ring", compressor="powersgd",
+                                                residuals=ef, key="w"))
     assert list(ef.extra_names()) == []                    # p = 1: nothing compressed
     ef2 = [ErrorFeedback(), ErrorFeedback()]
-    run_ranks(2, lambda t: powersgd_allreduce(t, np.ones(400), "float64", op="sum",
-                                              algorithm="ring", codec="powersgd",
-                                              residuals=ef2[t.rank], key="w"))
+    run_ranks(2, lambda t: compressed_allreduce(t, np.ones(400), "float64", op="sum",
+                                                algorithm="ring", compressor="powersgd",
+                                                residuals=ef2[t.rank], key="w"))
     assert list(ef2[0].extra_names()) == ["w#q"]
     ef2[0].reset("w")
     assert list(ef2[0].extra_names()) == []

@@ -1,4 +1,8 @@
-"""PowerSGD allreduce (Vogels et al., NeurIPS 2019): two rounds of summable low-rank factors.
+"""PowerSGD's route (Vogels et al., NeurIPS 2019): two rounds of summable low-rank factors.
+
+The front door (:func:`~gradcomm.compressed.compressed_allreduce`) validates the call and
+runs the cross-rank check; this module cuts the buffer into parts, draws the starting
+``Q`` of each and runs the two rounds.
 
 For a buffer cut into *parts* (each a matrix ``M``, ``rows`` x ``cols``, see
 :mod:`gradcomm.compressors.powersgd` for the shapes and for which parts are compressed):
@@ -49,13 +53,15 @@ error feedback, the parts' layout and the bytes of every starting ``Q``.
 Example:
     >>> import numpy as np
     >>> from gradcomm.comm import run_ranks
+    >>> from gradcomm.compressed import compressed_allreduce
     >>> from gradcomm.error_feedback import ErrorFeedback
     >>> u, v = np.arange(1.0, 21.0), np.linspace(-1.0, 1.0, 30)
     >>> def fn(t):                                  # every rank: a multiple of u v^T
     ...     ef = ErrorFeedback()
     ...     m = (t.rank + 1.0) * np.outer(u, v)
-    ...     y = powersgd_allreduce(t, m.reshape(-1), "float64", op="sum", algorithm="ring",
-    ...                            codec="powersgd", residuals=ef, key="w", shape=m.shape)
+    ...     y = compressed_allreduce(t, m.reshape(-1), "float64", op="sum", algorithm="ring",
+    ...                              compressor="powersgd", residuals=ef, key="w",
+    ...                              shape=m.shape)
     ...     return np.allclose(y, 6.0 * np.outer(u, v).reshape(-1)), ef.extra("w#q").size
     >>> run_ranks(3, fn)
     [(True, 30), (True, 30), (True, 30)]
@@ -64,30 +70,22 @@ Example:
 from __future__ import annotations
 
 import math
-import weakref
 import zlib
 from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
-from .. import compressors
 from .._dtypes import bf16_to_f32, f32_to_bf16
+from ..collectives import dense_allreduce
 from ..comm.base import Transport
 from ..compressors.powersgd import (Layout, PowerSGD, left, orthonormalize, product,
                                     random_factor, right)
 from ..error_feedback import HOP_SEP, ResidualStore
-from ..errors import ConfigError, GradcommError
-from . import DENSE, dense_allreduce
-from ._check import agree_args
-from .compressed import check_op, check_seed, next_step
+from ..errors import ConfigError
+from .state import Scratch, session
 
-#: algorithms that can carry the factors
-ALGORITHMS = (*DENSE, "allgather", "sparse_allgather", "auto")
 #: suffix of a part's warm-start Q in the residual store
 Q_SUFFIX = HOP_SEP + "q"
-
-_STEPS: "weakref.WeakKeyDictionary[Transport, int]" = weakref.WeakKeyDictionary()
-_SCRATCH: "weakref.WeakKeyDictionary[Any, np.ndarray]" = weakref.WeakKeyDictionary()
 
 
 class Part(NamedTuple):
@@ -168,7 +166,7 @@ def _sum(t: Transport, buf: np.ndarray, algorithm: str) -> None:
     if buf.size == 0:
         return
     if algorithm in ("allgather", "sparse_allgather"):
-        from .allgather import allgatherv
+        from ..collectives.allgather import allgatherv
 
         blocks = allgatherv(t, buf.view(np.uint8), sizes=np.full(t.size, buf.nbytes, np.int64))
         np.copyto(buf, blocks[0].view(buf.dtype))
@@ -178,81 +176,33 @@ def _sum(t: Transport, buf: np.ndarray, algorithm: str) -> None:
     dense_allreduce(t, buf, "sum", buf.dtype.name, algorithm, check=False)
 
 
-def _scratch(owner: Any, n: int, dtype: np.dtype) -> np.ndarray:
-    try:
-        s = _SCRATCH.get(owner)
-    except TypeError:                          # not weak-referenceable
-        return np.empty(n, dtype)
-    if s is None or s.size < n or s.dtype != dtype:
-        s = np.empty(n, dtype)
-        _SCRATCH[owner] = s
-    return s[:n]
-
-
-def powersgd_allreduce(t: Transport, buf: np.ndarray, dtype: str, *, op: str,
-                       algorithm: str, codec: Any = "powersgd",
-                       residuals: ResidualStore | None = None, key: str | None = None,
-                       seed: int | None = None, check: bool = True, shape: Any = None,
-                       shapes: Any = None, **options: Any) -> np.ndarray:
-    """Allreduce flat storage ``buf`` of logical ``dtype`` by PowerSGD; returns the result.
-
-    ``codec``: "powersgd" (options in ``**options``: ``rank``, ``min_compression_rate``,
-    ``start_iter``, ``warm_start``) or a :class:`~gradcomm.compressors.powersgd.PowerSGD`.
-    ``residuals`` holds error feedback, warm starts and the step of ``key``; ``shape`` /
-    ``shapes`` say how the buffer is made of matrices. ``buf`` may be overwritten. Errors
-    in the arguments are raised on every rank (after the cross-rank check, when ``check``).
-    """
-    key = "default" if key is None else key
-    problem: Exception | None = None
-    c: PowerSGD | None = None
-    parts: list[Part] = []
-    name = codec if isinstance(codec, str) else getattr(codec, "name", "?")
-    try:
-        c = compressors.get(codec, **options)       # type: ignore[assignment]
-        if not isinstance(c, PowerSGD):
-            raise ConfigError(f"powersgd_allreduce needs the powersgd codec, got {c!r}")
-        check_op(op, dtype, "powersgd")
-        if algorithm not in ALGORITHMS:
-            raise ConfigError(f"unknown algorithm {algorithm!r}; powersgd runs on "
-                              f"{', '.join(ALGORITHMS)}")
-        seed = check_seed(seed)
-        if not isinstance(key, str):
-            raise ConfigError(f"key must be a str, got {type(key).__name__}")
-        parts = parts_of(int(buf.size), key, c, residuals, shape, shapes)
-    except (GradcommError, KeyError, TypeError, ValueError) as exc:
-        problem = exc
-    step = next_step(_STEPS, t, residuals, key)
-    p, n = t.size, int(buf.size)
-    compress = problem is None and c is not None and p > 1 and n > 0 and step >= c.start_iter
+def start(codec: PowerSGD, parts: list[Part], store: Any, seed: int, step: int, p: int,
+          n: int, dtype: str) -> tuple[bool, list[np.ndarray]]:
+    """Whether this call compresses (p > 1, a non-empty buffer, ``step`` at or past the
+    codec's ``start_iter``) and, if so, every compressed part's starting ``Q^T``."""
+    compress = p > 1 and n > 0 and step >= codec.start_iter
     wdt = np.dtype(np.float64 if dtype == "float64" else np.float32)
     qs: list[np.ndarray] = []
     if compress:
-        assert c is not None and isinstance(seed, int)
-        qs = [_start_q(part, c, residuals, seed, step, wdt) for part in parts if part.lay.r]
-    if check:
-        config = "?"
-        if c is not None:
-            crc = 0
-            for q in qs:
-                crc = zlib.crc32(q.tobytes(), crc)
-            layout = zlib.crc32(repr(parts).encode())
-            config = f"{sorted(c.get_config().items())!r} parts={layout} q={crc}"
-        agree_args(t, "compressed allreduce", problem, count=n, dtype=dtype, op=op,
-                   algorithm=algorithm, compressor=name, config=config,
-                   seed=seed if isinstance(seed, int) else repr(seed), step=step, key=key,
-                   error_feedback=residuals is not None and residuals.enabled)
-    if problem is not None:
-        raise problem
-    assert c is not None and isinstance(seed, int)
-    out = _run(t, buf, dtype, op, algorithm, c, parts, qs, residuals, key, compress)
-    if residuals is not None:
-        residuals.advance(key)
-    return out
+        qs = [_start_q(part, codec, store, seed, step, wdt) for part in parts if part.lay.r]
+    return compress, qs
 
 
-def _run(t: Transport, buf: np.ndarray, dtype: str, op: str, algorithm: str, codec: PowerSGD,
-         parts: list[Part], qs: list[np.ndarray], store: Any, key: str, compress: bool
-         ) -> np.ndarray:
+def check_config(codec: PowerSGD, parts: list[Part], qs: list[np.ndarray]) -> str:
+    """What the cross-rank check compares of a PowerSGD call beyond the common fields:
+    the codec's options, the parts' layout and the bytes of every starting ``Q``."""
+    crc = 0
+    for q in qs:
+        crc = zlib.crc32(q.tobytes(), crc)
+    layout = zlib.crc32(repr(parts).encode())
+    return f"{sorted(codec.get_config().items())!r} parts={layout} q={crc}"
+
+
+def run(t: Transport, buf: np.ndarray, dtype: str, op: str, algorithm: str, codec: PowerSGD,
+        parts: list[Part], qs: list[np.ndarray], store: Any, key: str, compress: bool
+        ) -> np.ndarray:
+    """Allreduce flat host storage ``buf`` (logical ``dtype``) by PowerSGD over the dense
+    ``algorithm``, with :func:`start`'s ``compress`` and ``qs``; returns ``buf``."""
     p, n = t.size, buf.size
     if dtype == "bfloat16":
         x = bf16_to_f32(buf)
@@ -271,7 +221,8 @@ def _run(t: Transport, buf: np.ndarray, dtype: str, op: str, algorithm: str, cod
         if p > 1 and n:
             _sum(t, x, algorithm)
     else:
-        _power_step(t, x, algorithm, codec, parts, qs, store, ef, key)
+        with session(t) as scratch:
+            _power_step(t, x, algorithm, codec, parts, qs, store, ef, key, scratch)
     if dtype == "bfloat16":
         f32_to_bf16(x, buf)
     elif dtype == "float16":
@@ -280,8 +231,8 @@ def _run(t: Transport, buf: np.ndarray, dtype: str, op: str, algorithm: str, cod
 
 
 def _power_step(t: Transport, x: np.ndarray, algorithm: str, codec: PowerSGD,
-                parts: list[Part], qs: list[np.ndarray], store: Any, ef: Any, key: str
-                ) -> None:
+                parts: list[Part], qs: list[np.ndarray], store: Any, ef: Any, key: str,
+                scratch: Scratch) -> None:
     """Steps 3-6 of the module docstring on compensated flat ``x`` (in place)."""
     plain = [pt for pt in parts if not pt.lay.r]
     low = [pt for pt in parts if pt.lay.r]
@@ -306,7 +257,7 @@ def _power_step(t: Transport, x: np.ndarray, algorithm: str, codec: PowerSGD,
         orthonormalize(pm)
         right(x[pt.offset:pt.offset + pt.n], pt.lay, pm, qm)
     if ef is not None:                                  # what this rank's own factors carry
-        dec = _scratch(ef, x.size, x.dtype)
+        dec = scratch.floats(4, x.size, x.dtype)
         for pt in plain:
             dec[pt.offset:pt.offset + pt.n] = x[pt.offset:pt.offset + pt.n]
         for pt, pm, qm in zip(low, ps, qts):
@@ -331,8 +282,9 @@ def wire_values(parts: Sequence[Part]) -> tuple[int, int]:
         (80, 50)
     """
     low = [pt for pt in parts if pt.lay.r]
-    return (sum(pt.n for pt in parts if not pt.lay.r) + sum(pt.lay.r * pt.lay.rows for pt in low),
+    return (sum(pt.n for pt in parts if not pt.lay.r)
+            + sum(pt.lay.r * pt.lay.rows for pt in low),
             sum(pt.lay.r * pt.lay.cols for pt in low))
 
 
-__all__ = ["ALGORITHMS", "Part", "Q_SUFFIX", "parts_of", "powersgd_allreduce", "wire_values"]
+__all__ = ["Part", "Q_SUFFIX", "check_config", "parts_of", "run", "start", "wire_values"]

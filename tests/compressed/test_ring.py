@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 
 from gradcomm import compressors
-from gradcomm.collectives import compressed as C
-from gradcomm.collectives import compressed_ring
+from gradcomm.compressed import compressed_allreduce
+from gradcomm.compressed import ring as compressed_ring
+from gradcomm.compressed import routes
+from gradcomm.compressed.wire import CompressedWire
 from gradcomm.comm import run_ranks
 from gradcomm.error_feedback import ErrorFeedback
 from gradcomm.errors import DeadlineError, PayloadError
@@ -32,13 +34,13 @@ def _input(rank: int, n: int, step: int = 0) -> np.ndarray:
 
 def _steps(p: int, n: int, codec, pipeline: str, monkeypatch, T: int = 3, ef: bool = True):
     monkeypatch.setenv("GRADCOMM_PIPELINE", pipeline)
-    monkeypatch.setattr(C, "CHUNK_BYTES", 4096)          # several chunks per segment
+    monkeypatch.setattr(routes, "CHUNK_BYTES", 4096)     # several chunks per segment
 
     def fn(t):
         state = ErrorFeedback(enabled=ef)
-        outs = [C.compressed_allreduce(t, _input(t.rank, n, s), "float32", op="mean",
-                                       algorithm="ring", compressor=codec,
-                                       residuals=state, key="w").copy() for s in range(T)]
+        outs = [compressed_allreduce(t, _input(t.rank, n, s), "float32", op="mean",
+                                     algorithm="ring", compressor=codec,
+                                     residuals=state, key="w").copy() for s in range(T)]
         return outs, {k: state._residuals[k].copy() for k in state.names()}
     return run_ranks(p, fn, timeout=120)
 
@@ -78,7 +80,7 @@ def test_large_default_threshold_takes_the_pipeline(monkeypatch) -> None:
         return real(*a, **k)
 
     monkeypatch.setattr(compressed_ring, "allreduce", spy)
-    res = run_ranks(2, lambda t: C.compressed_allreduce(
+    res = run_ranks(2, lambda t: compressed_allreduce(
         t, np.full(n, t.rank + 1.0, np.float32), "float32", op="sum", algorithm="ring",
         compressor="fp16"))
     assert calls and np.all(res[0] == 3.0) and res[0].tobytes() == res[1].tobytes()
@@ -86,7 +88,7 @@ def test_large_default_threshold_takes_the_pipeline(monkeypatch) -> None:
 
 def test_bad_peer_frame_is_a_payload_error_and_releases_the_others(monkeypatch) -> None:
     monkeypatch.setenv("GRADCOMM_PIPELINE", "1")
-    real = C.CompressedWire.encode
+    real = CompressedWire.encode
 
     def corrupt(self, seg):
         frame = real(self, seg)
@@ -94,9 +96,9 @@ def test_bad_peer_frame_is_a_payload_error_and_releases_the_others(monkeypatch) 
             frame[0] = 7                     # announces 7 parts
         return frame
 
-    monkeypatch.setattr(C.CompressedWire, "encode", corrupt)
+    monkeypatch.setattr(CompressedWire, "encode", corrupt)
     with pytest.raises(PayloadError, match="parts"):
-        run_ranks(3, lambda t: C.compressed_allreduce(
+        run_ranks(3, lambda t: compressed_allreduce(
             t, np.ones(3000, np.float32), "float32", op="sum", algorithm="ring",
             compressor="fp16", check=False), timeout=60)
 
@@ -107,8 +109,8 @@ def test_absent_rank_gives_a_deadline(monkeypatch) -> None:
     def fn(t):
         if t.rank == 1:
             return None
-        return C.compressed_allreduce(t, np.ones(3000, np.float32), "float32", op="sum",
-                                      algorithm="ring", compressor="fp16", check=False)
+        return compressed_allreduce(t, np.ones(3000, np.float32), "float32", op="sum",
+                                    algorithm="ring", compressor="fp16", check=False)
 
     with pytest.raises(DeadlineError):
         run_ranks(2, fn, timeout=30, wait_timeout=1.0)
@@ -127,9 +129,9 @@ def launched(n: int) -> dict[str, str]:
         codec = compressors.get(name, **opts)
         for pipe in ("0", "1"):
             os.environ["GRADCOMM_PIPELINE"] = pipe
-            y = C.compressed_allreduce(t, _input(t.rank, n), "float32", op="mean",
-                                       algorithm="ring", compressor=codec,
-                                       residuals=ErrorFeedback(enabled=False))  # step 0
+            y = compressed_allreduce(t, _input(t.rank, n), "float32", op="mean",
+                                     algorithm="ring", compressor=codec,
+                                     residuals=ErrorFeedback(enabled=False))  # step 0
             out[f"{name}{opts}/{pipe}"] = hashlib.sha1(y.tobytes()).hexdigest()
     return out
 
@@ -168,7 +170,7 @@ def test_a_slow_link_in_the_profile_takes_the_pipeline(monkeypatch) -> None:
             x = np.zeros(1 << 22, np.float32)
             out = {}
             for name in ("fp16", "onebit"):
-                link = C._link_bound(t, compressors.get(name), x)
+                link = routes.link_bound(t, compressors.get(name), x)
                 out[name] = link and compressed_ring.wanted(x.nbytes, t, link)
             return out
         return run_ranks(2, fn)[0]

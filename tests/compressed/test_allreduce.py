@@ -19,8 +19,14 @@ import gradcomm
 from gradcomm import compressors
 from gradcomm._dtypes import bf16_to_f32, f32_to_bf16
 from gradcomm.bench.data import exact_values
-from gradcomm.collectives import compressed as C
 from gradcomm.collectives._segments import bounds
+from gradcomm.collectives.costmodel import route_times
+from gradcomm.compressed import (COMPRESSED_ALGORITHMS, HOP_ALGORITHMS, auto_route,
+                                 compressed_allreduce)
+from gradcomm.compressed.auto import choose
+from gradcomm.compressed.frames import Frames
+from gradcomm.compressed.seeds import Seeds
+from gradcomm.compressed.wire import CompressedWire
 from gradcomm.comm import run_ranks
 from gradcomm.compressors.base import Compressor
 from gradcomm.error_feedback import ErrorFeedback, contractive
@@ -29,8 +35,8 @@ from tests._grid import Grid
 
 pytestmark = pytest.mark.timeout(300)
 
-ALGOS = C.COMPRESSED_ALGORITHMS          # ring, tree, rd, rabenseifner, allgather, sparse, auto
-HOP = C.HOP_ALGORITHMS
+ALGOS = COMPRESSED_ALGORITHMS          # ring, tree, rd, rabenseifner, allgather, sparse, auto
+HOP = HOP_ALGORITHMS
 LOSSY = tuple(n for n in compressors.names() if compressors.get(n).lossy)
 #: options that let error feedback flush within the tests' T steps (n/k = 10 and 5)
 EF_OPTIONS = {"topk": {"ratio": 0.1}, "randomk": {"ratio": 0.2}}
@@ -51,8 +57,8 @@ def _run(p: int, n: int, algorithm: str, codec: Any, *, op: str = "mean", seed: 
             x = f32_to_bf16(x)
         elif dtype != "float32":
             x = x.astype(dtype)
-        return C.compressed_allreduce(t, x, dtype, op=op, algorithm=algorithm,
-                                      compressor=codec, **kw)
+        return compressed_allreduce(t, x, dtype, op=op, algorithm=algorithm,
+                                    compressor=codec, **kw)
     return run_ranks(p, fn, timeout=120)
 
 
@@ -154,7 +160,7 @@ def _concrete(t: Any, codec: Compressor, n: int, algorithm: str) -> str:
     """The route ``algorithm`` names on ``t`` (``auto`` resolved; PowerSGD keeps it)."""
     if algorithm != "auto" or codec.name == "powersgd":
         return algorithm
-    return C.auto_route(t, codec, n, "float32")
+    return auto_route(t, codec, n, "float32")
 
 
 @pytest.mark.parametrize("algorithm", ALGOS)
@@ -203,9 +209,9 @@ def test_rabenseifner_forwards_owner_payloads(name: str) -> None:
     for p, n in ((4, 100_003), (8, 1001), (6, 5000)):
         def fn(t):
             state = ErrorFeedback()
-            out = C.compressed_allreduce(t, _input(t.rank, n), "float32", op="mean",
-                                         algorithm="rabenseifner", compressor=codec,
-                                         residuals=state, key="w")
+            out = compressed_allreduce(t, _input(t.rank, n), "float32", op="mean",
+                                       algorithm="rabenseifner", compressor=codec,
+                                       residuals=state, key="w")
             return out, [k for k in state.names() if "#f" in k]
 
         res = run_ranks(p, fn)
@@ -237,8 +243,8 @@ def _steps(p: int, n: int, algorithm: str, codec: Any, T: int, *, ef: bool = Tru
             g = inputs(t.rank, s).copy() if inputs else \
                 _input(t.rank, n, seed + s) / np.float32(p)
             ins.append(g.copy())
-            outs.append(C.compressed_allreduce(t, g, "float32", op="sum", algorithm=algorithm,
-                                               compressor=codec, residuals=state, key="w"))
+            outs.append(compressed_allreduce(t, g, "float32", op="sum", algorithm=algorithm,
+                                             compressor=codec, residuals=state, key="w"))
         return outs, ins, state
     return run_ranks(p, fn, timeout=120)
 
@@ -324,13 +330,13 @@ def test_ring_bytes_stay_2_p_minus_1_over_p_of_compressed(p: int) -> None:
 
     def fn(t):
         t.stats.reset()
-        C.compressed_allreduce(t, _input(t.rank, n), "float32", op="sum", algorithm="ring",
-                               compressor=codec, check=False)
+        compressed_allreduce(t, _input(t.rank, n), "float32", op="sum", algorithm="ring",
+                             compressor=codec, check=False)
         return t.stats.bytes_sent
 
     sent = run_ranks(p, fn)
     seg = -(-n // p)
-    frame = C.CompressedWire(codec, np.zeros(n, np.float32), None).bound(seg)
+    frame = Frames(codec, np.zeros(n, np.float32)).bound(seg)
     for s in sent:
         assert s <= 2 * (p - 1) * frame
         assert s >= 2 * (p - 1) * codec.max_nbytes(n // p)
@@ -345,7 +351,7 @@ def test_ops_dtypes_algorithms_refused_on_every_rank() -> None:
         dtype = args.pop("dtype")
         x = np.ones(3, np.int32 if dtype == "int32" else np.float32)
         try:
-            C.compressed_allreduce(t, x, dtype, **args)
+            compressed_allreduce(t, x, dtype, **args)
         except Exception as exc:               # noqa: BLE001 - the type is the point
             return type(exc).__name__, str(exc)
         return None, ""
@@ -379,7 +385,7 @@ def test_mismatch_raises_on_every_rank(diff: str) -> None:
         if diff == "key" and odd:
             kw["key"] = "v"
         try:
-            C.compressed_allreduce(t, np.ones(8, np.float32), "float32", residuals=state, **kw)
+            compressed_allreduce(t, np.ones(8, np.float32), "float32", residuals=state, **kw)
         except MismatchError as exc:
             return str(exc)
         return "no error"
@@ -395,7 +401,7 @@ def test_hostile_frames_are_payload_errors(name: str) -> None:
     codec = Grid(0.25) if name == "grid" else compressors.get(name)
     n = 300
     base = _input(0, n)
-    w = C.CompressedWire(codec, base, C._Seeds(0, 0, "k", 0, False))
+    w = CompressedWire(codec, base, Seeds(0, 0, "k", 0, False))
     good = w.encode(base[:n])
     w.reduce(good, base[:n], True)                  # a good frame decodes
     rng = np.random.default_rng(0)
@@ -417,23 +423,23 @@ def test_hostile_frames_are_payload_errors(name: str) -> None:
             except PayloadError:
                 pass
     with pytest.raises(PayloadError, match="covers 5 of 300"):
-        w.place(C.CompressedWire(codec, base, C._Seeds(0, 0, "k", 0, False)).final(base[:5]),
+        w.place(CompressedWire(codec, base, Seeds(0, 0, "k", 0, False)).final(base[:5]),
                 base[:n])
 
 
 def test_seeds_follow_the_contract() -> None:
-    s = C._Seeds(7, 3, "fc1.weight", rank=2, shared=False)
+    s = Seeds(7, 3, "fc1.weight", rank=2, shared=False)
     assert s.whole() == (7, 3, zlib.crc32(b"fc1.weight"), 2)
-    shared = C._Seeds(7, 3, "fc1.weight", rank=2, shared=True)
+    shared = Seeds(7, 3, "fc1.weight", rank=2, shared=True)
     assert shared.whole() == (7, 3, zlib.crc32(b"fc1.weight"))
     seg = np.arange(8, dtype=np.float32)
-    assert s.final(0, 8, 1, seg) == C._Seeds(7, 3, "fc1.weight", 5, False).final(0, 8, 1, seg)
+    assert s.final(0, 8, 1, seg) == Seeds(7, 3, "fc1.weight", 5, False).final(0, 8, 1, seg)
 
 
 def test_auto_table() -> None:
     def pick(name, p, n, **opts):
         codec = compressors.get(name, **opts) if isinstance(name, str) else name
-        return run_ranks(p, lambda t: C._choose(t, codec, n, "float32", 4))[0]
+        return run_ranks(p, lambda t: choose(t, codec, n, "float32", 4))[0]
 
     assert pick("none", 4, 10) == "recursive_doubling"
     assert pick("none", 4, 10 ** 6) == "rabenseifner"
@@ -465,7 +471,7 @@ def test_auto_follows_the_agreed_profile() -> None:
         def fn(t):
             auto.use_profile(t, prof)
             auto.agree_profile(t)
-            return C._choose(t, compressors.get("int8"), 10 ** 6, "float32", 4)
+            return choose(t, compressors.get("int8"), 10 ** 6, "float32", 4)
         return run_ranks(2, fn)[0]
 
     assert pick(1e-3, 1e-10, 1e-12) == "allgather"
@@ -481,12 +487,13 @@ def test_model_bytes_are_the_bytes_sent(route: str) -> None:
 
     def fn(t):
         t.stats.reset()
-        C.compressed_allreduce(t, _input(t.rank, n), "float32", op="sum", algorithm=route,
-                               compressor=codec, check=False)
+        compressed_allreduce(t, _input(t.rank, n), "float32", op="sum", algorithm=route,
+                             compressor=codec, check=False)
         return t.stats.bytes_sent
 
     sent = run_ranks(p, fn)
-    times = C.route_times(p, n, c, 4, codec, "ring" if route == "allgather" else route)
+    times = route_times(p, n, c, 4, codec.name, "ring" if route == "allgather" else route,
+                        gathered=codec.reduction != "summable", sparse=codec.sparse)
     assert route in times
     want = {"ring": 2 * (p - 1) / p * c, "rabenseifner": 2 * (p - 1) / p * c,
             "allgather": (p - 1) * c}[route]
@@ -517,8 +524,8 @@ def mpi_matrix(n: int) -> dict[str, list[Any]]:
         codec = compressors.get(name)
         kind = "powersgd" if name == "powersgd" else "others"   # PowerSGD counts its own
         for algorithm in ALGOS:
-            y = C.compressed_allreduce(t, xs[t.rank].copy(), "float32", op="mean",
-                                       algorithm=algorithm, compressor=codec)
+            y = compressed_allreduce(t, xs[t.rank].copy(), "float32", op="mean",
+                                     algorithm=algorithm, compressor=codec)
             want = replay(xs, dtype="float32", op="mean", algorithm=algorithm,
                           compressor=codec, transport=t, step=calls[kind])
             calls[kind] += 1

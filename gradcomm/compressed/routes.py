@@ -1,0 +1,256 @@
+"""How a compressed allreduce runs once its route is chosen: per hop, or gathered.
+
+- **per hop** (:data:`~gradcomm.compressed._args.HOP_ALGORITHMS`): the dense algorithm
+  runs on a :class:`~gradcomm.compressed.wire.CompressedWire`; a codec told to keep ``k``
+  elements keeps ``k/n`` of each segment (:func:`segment_codec`); ring and tree move
+  messages of about :data:`CHUNK_BYTES`; a large ring may run its codec work on a worker
+  thread (:mod:`~gradcomm.compressed.ring`).
+- **allgather**: every rank compresses ``e + g`` once into a frame whose size follows
+  from the count alone, the frames are allgathered, and every rank decodes and sums them
+  in rank order.
+- **sparse_allgather**: as allgather, for sparse codecs: the (index, value) pairs go
+  through :func:`~gradcomm.collectives.sparse_allgather.allreduce`.
+
+:func:`run` is the shared frame of every route: 16-bit floats widened to float32 (and
+rounded back), ``mean`` of a lossy codec divided by p *before* compressing, error
+feedback only for contractive codecs, p = 1 or an empty buffer sent whole.
+
+Example:
+    >>> import numpy as np
+    >>> from gradcomm import compressors
+    >>> from gradcomm.comm import run_ranks
+    >>> def fn(t):
+    ...     x = np.full(4, t.rank + 1.0, np.float32)
+    ...     return run(t, x, "float32", "sum", "allgather", compressors.get("fp16"), 0, 0,
+    ...                None, "w").tolist()
+    >>> run_ranks(2, fn)[0]
+    [3.0, 3.0, 3.0, 3.0]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .. import arrays, compressors
+from ..collectives import algorithm
+from ..ops import Reducer
+from ..collectives.costmodel import link_bound as _profile_link_bound
+from ..comm.base import Transport
+from ..compressors.base import Compressor, Payload
+from ..error_feedback import ResidualStore, contractive
+from ..errors import PayloadError
+from . import ring
+from ._args import HOP_ALGORITHMS
+from .frames import Frames, max_nbytes
+from .seeds import Seeds
+from .state import Scratch, session
+from .wire import CompressedWire
+
+#: target bytes of one compressed message in the pipelined ring and tree
+CHUNK_BYTES = 2 << 20
+
+
+def segment_codec(codec: Compressor, n: int) -> Compressor:
+    """The codec a per-hop wire uses on segments of an ``n``-element buffer: a codec told
+    to keep ``k`` elements keeps the same fraction ``k/n`` of every segment instead.
+
+    Example:
+        >>> from gradcomm import compressors
+        >>> segment_codec(compressors.get("topk", k=10), 100).get_config()["ratio"]
+        0.1
+    """
+    k = codec.get_config().get("k")
+    if k is None or not n:
+        return codec
+    return compressors.get(codec.name, ratio=min(1.0, k / n))
+
+
+def link_bound(t: Transport, codec: Compressor, x: Any) -> bool:
+    """Whether the agreed calibrated profile (if any) models the ring's wire time at more
+    than twice its codec time (then keeping the link busy pays for a worker thread)."""
+    from ..collectives.auto import agreed_profile
+
+    prof = agreed_profile(t)
+    n = arrays.size(x)
+    if prof is None or not n:
+        return False
+    c = max_nbytes(codec, n, arrays.dtype_name(x))
+    return _profile_link_bound(prof, t.size, n, c, arrays.itemsize(x), codec.name,
+                               chunk_bytes=CHUNK_BYTES)
+
+
+def per_hop(t: Transport, x: Any, codec: Compressor, name: str, seeds: Seeds,
+            ef: ResidualStore | None, key: str, scratch: Scratch | None = None) -> None:
+    """``x = Σ_ranks x`` by dense algorithm ``name`` on a compressed wire."""
+    n, dt, itemsize = arrays.size(x), arrays.dtype_name(x), arrays.itemsize(x)
+    codec = segment_codec(codec, n)
+
+    parts = 1 << (t.size.bit_length() - 1) if name == "rabenseifner" else 1
+    wire = CompressedWire(codec, x, seeds, max_parts=parts, ef=ef, key=key, scratch=scratch)
+    kwargs: dict[str, Any] = {}
+    if name in ("ring", "tree") and n:
+        ratio = n * itemsize / max(1, max_nbytes(codec, n, dt))
+        kwargs["chunk_bytes"] = max(itemsize, int(CHUNK_BYTES * max(1.0, ratio)))
+    if name == "ring" and ring.wanted(n * itemsize, t, link_bound(t, codec, x)):
+        ring.allreduce(t, x, wire, **kwargs)
+        return
+    algorithm(name)(t, x, Reducer("sum", dt), wire=wire, **kwargs)
+
+
+def gathered(t: Transport, x: Any, codec: Compressor, sparse: bool, seeds: Seeds,
+             ef: ResidualStore | None, key: str, scratch: Scratch | None = None) -> None:
+    """Every rank compresses ``x`` (+ its residual) once; the payloads are allgathered as
+    one-part frames of the same size (no size exchange) and decoded-and-summed in rank
+    order into ``x``. Sparse codecs send their (index, value) pairs through
+    :func:`~gradcomm.collectives.sparse_allgather.allreduce` instead."""
+    from ..collectives.allgather import allgatherv
+
+    n = arrays.size(x)
+    f = Frames(codec, x, scratch)
+    pairs = codec.sparse_pairs
+    size = f.bound(n)
+    e = ef.flat_residual(key, n, f.dtype, like=x) if ef is not None and f.fused else None
+    if ef is None or e is not None:
+        # the key's residual e (if any) is fused into the codec's pass: y = x + e is
+        # compressed and e = y - decode(y) left behind; x itself is not needed after
+        if sparse and pairs:
+            payload = codec.compress(x, seed=seeds.whole(),
+                                     **({} if e is None else {"residual": e}))
+            _, _, idx, vals = codec.to_sparse(payload)
+            _sparse_sum(t, idx, vals, x)
+            return
+        frame, data = f.single(x, seeds.whole(), n, size, residual=e)
+        if sparse:
+            dec = f.floats(0, n)
+            f.decode(data, dec)
+            idx = _nonzero(dec)
+            _sparse_sum(t, idx, dec[idx], x)
+            return
+    else:                       # a residual kept in pieces (the DDP hook's): step by step
+        ef.compensate(key, x)
+        frame, data = f.single(x, seeds.whole(), n, size)
+        dec = f.floats(0, n)
+        f.decode(data, dec)
+        ef.update(key, x, dec)
+        if sparse:
+            idx = _nonzero(dec)
+            _sparse_sum(t, idx, dec[idx], x)
+            return
+    landing = f.take(size * t.size)
+    blocks = allgatherv(t, frame, sizes=np.full(t.size, size, np.int64), out=landing)
+    payloads = []
+    for r, b in enumerate(blocks):
+        try:
+            (_, _, data), = f.parts(b, n, 1)
+            payloads.append(f.payload(data, n))
+        except PayloadError as exc:
+            raise PayloadError(f"rank {r}'s payload: {exc}") from None
+    if f.device:                # every payload to the device in one copy (8-byte aligned)
+        moved = arrays.like(landing, x)
+        payloads = [pl.rebased(landing, moved) for pl in payloads]
+    _decode_sum(f, payloads, x)
+
+
+def _nonzero(a: Any) -> Any:
+    """Indices of ``a``'s non-zero elements (int64, ascending, where ``a`` is)."""
+    if arrays.is_host(a):
+        return np.flatnonzero(a)
+    xp = arrays.namespace(a)
+    return xp.astype(xp.nonzero(a)[0], xp.int64)
+
+
+def _sparse_sum(t: Transport, idx: Any, vals: Any, x: Any) -> None:
+    """``x = Σ_ranks scatter(idx, vals)``: the pairs go through the host (they are few);
+    the result lands in ``x`` where it is."""
+    from ..collectives.sparse_allgather import allreduce as sparse_allreduce
+
+    sparse_allreduce(t, arrays.host(idx), arrays.host(vals), arrays.size(x), out=x)
+
+
+def _decode_sum(f: Frames, payloads: list[Payload], x: Any) -> None:
+    """``x = Σ decode(payloads)`` in rank order (the codec's decompress_sum if it has its
+    own, else decode, then decode-and-add)."""
+    codec, n = f.codec, arrays.size(x)
+    try:
+        if type(codec).decompress_sum is not Compressor.decompress_sum:
+            total = codec.decompress_sum(payloads, out=x)
+            if total is not x:
+                if tuple(total.shape) != (n,):
+                    raise PayloadError(f"{codec.name} payloads decode to shape "
+                                       f"{tuple(total.shape)}, ({n},) expected")
+                arrays.assign(x, total)
+            return
+        f.decode_payload(payloads[0], x)
+        for p in payloads[1:]:
+            f.decode_add_payload(p, x)
+    except PayloadError:
+        raise
+    except (ValueError, TypeError, IndexError, KeyError, OverflowError) as exc:
+        raise PayloadError(f"{codec.name} payloads do not decode: {exc}") from None
+
+
+@arrays.device_scoped            # cupy: kernels and new arrays on buf's device
+def run(t: Transport, buf: Any, dtype: str, op: str, route: str, codec: Compressor,
+        seed: int, step: int, ef: ResidualStore | None, key: str) -> Any:
+    """Allreduce flat storage ``buf`` of logical ``dtype`` (op ``sum`` or ``mean``) by
+    ``route`` (a per-hop algorithm, ``allgather`` or ``sparse_allgather``: decided by the
+    caller) through ``codec``; returns the result (``buf``, overwritten)."""
+    p, n = t.size, arrays.size(buf)
+    ef = ef if (ef is not None and ef.enabled and codec.lossy and contractive(codec)) \
+        else None
+    pre_divide = op == "mean" and codec.lossy and p > 1
+    if p == 1 or n == 0:
+        x = _widen(buf, dtype, None)
+        if pre_divide:
+            arrays.divide_(x, p)
+        if ef is not None and n:
+            ef.compensate(key, x)
+            ef.update(key, x, x)
+        return _narrow(x, buf, dtype)
+    with session(t) as scratch:
+        x = _widen(buf, dtype, scratch)
+        if pre_divide:
+            arrays.divide_(x, p)
+        seeds = Seeds(seed, step, key, t.rank, codec.shared_seed)
+        if route in HOP_ALGORITHMS:
+            per_hop(t, x, codec, route, seeds, ef, key, scratch)
+        else:
+            gathered(t, x, codec, route == "sparse_allgather", seeds, ef, key, scratch)
+        if op == "mean" and not pre_divide:
+            arrays.divide_(x, p)
+        return _narrow(x, buf, dtype)
+
+
+def _widen(buf: Any, dtype: str, scratch: Scratch | None) -> Any:
+    """The float32 working copy of 16-bit floats (reused scratch), else ``buf`` itself."""
+    if dtype not in ("bfloat16", "float16"):
+        return buf
+    from ..compressors import _kernels
+
+    n = arrays.size(buf)
+    if not arrays.is_host(buf):
+        x = arrays.empty_like_kind(buf, n, "float32")
+    else:
+        x = scratch.floats(3, n, np.float32) if scratch is not None else \
+            np.empty(n, np.float32)
+    k = _kernels.for_array(buf)
+    if dtype == "bfloat16":
+        k.bf16_to_f32(buf, x)
+    else:
+        k.f16_to_f32(arrays.bitcast(buf, "uint16"), x)
+    return x
+
+
+def _narrow(x: Any, buf: Any, dtype: str) -> Any:
+    """Round the float32 result back into 16-bit ``buf`` (no-op when ``x is buf``)."""
+    if x is not buf:
+        from ..compressors import _kernels
+
+        k = _kernels.for_array(buf)
+        if dtype == "bfloat16":
+            k.f32_to_bf16(x, buf)
+        else:
+            k.f32_to_f16(x, arrays.bitcast(buf, "uint16"))
+    return buf

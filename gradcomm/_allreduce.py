@@ -13,10 +13,8 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-import numpy as np
-
 from . import arrays
-from .collectives import dense_allreduce
+from ._plan import Reduction
 from .comm import get_transport
 from .errors import ConfigError
 
@@ -47,46 +45,9 @@ def allreduce(x: Any, comm: Any = None, *, op: str = "sum", algorithm: str = "au
         [1.0, 1.0]
     """
     t = get_transport(comm)
-    dense = compressor is None and algorithm not in ("allgather", "sparse_allgather")
-    buf, meta = _flat(x, t, dense)
-    if dense:
-        if options:
-            raise ConfigError(f"unknown options {sorted(options)} (compressor options need "
-                              "compressor=...)")
-        dense_allreduce(t, buf, op, meta.dtype, algorithm, check=check)
-    else:
-        from .compressed import compressed_allreduce
-
-        buf = compressed_allreduce(t, buf, meta.dtype, op=op, algorithm=algorithm,
-                                   compressor=compressor or "none", check=check,
-                                   **_with_shape(compressor, meta, options))
-    return _unflat(buf, meta)
-
-
-def _flat(x: Any, t: Any, dense: bool) -> tuple[Any, Any]:
-    """A fresh flat working copy of ``x`` and its Meta, placed where the reduction runs.
-
-    :func:`arrays.placement` decides where: dense sums keep a device array on the device
-    only on a transport that moves device buffers (CUDA-aware MPI), else they stage it
-    through host memory. Compressed reductions run their codecs where the data is: a
-    device array stays a flat array of its own library on its device ("native"), and
-    only payloads cross to the host; a numpy array is reduced on the host without
-    consulting ``GRADCOMM_CODEC_PLACEMENT``.
-    """
-    b = arrays.backend(x)
-    meta = b.meta(x)
-    if dense:
-        where = arrays.placement(meta, t.devices)
-    elif type(x) is np.ndarray:
-        where = "host"
-    else:
-        where = arrays.placement(meta, codecs=True)
-    return b.to_flat(x, meta, where), meta
-
-
-def _unflat(buf: Any, meta: Any) -> Any:
-    """The result as the user's kind of array, from :func:`_flat`'s buffer."""
-    return arrays.from_flat(buf, meta)
+    plan = Reduction(op, algorithm, compressor, options, None, check)
+    buf, meta = plan.flat(x, t)
+    return arrays.from_flat(plan.run(t, buf, meta.dtype, meta=meta), meta)
 
 
 def allreduce_(x: Any, comm: Any = None, **kwargs: Any) -> Any:
@@ -109,25 +70,6 @@ def allreduce_(x: Any, comm: Any = None, **kwargs: Any) -> Any:
     else:
         x.copy_(y) if arrays.kind(x) == "torch" else x.__setitem__(Ellipsis, y)
     return x
-
-
-def _with_shape(compressor: Any, meta: Any, options: dict[str, Any]) -> dict[str, Any]:
-    """``options`` plus ``shape=`` the array's shape for codecs that view their input by
-    its shape (class attribute ``uses_shape``: powersgd) when it has 2+ dimensions; a
-    flat array keeps the codec's flat layout, and a caller's ``shape``/``shapes`` wins."""
-    if len(meta.shape) < 2 or "shape" in options or "shapes" in options:
-        return options
-    from . import compressors
-
-    cls = type(compressor) if isinstance(compressor, compressors.Compressor) else None
-    if isinstance(compressor, str):
-        try:
-            cls = compressors._load(compressor)        # the class: options checked later
-        except KeyError:
-            return options                             # unknown name: reported later
-    if cls is None or not cls.uses_shape:              # None: no codec, or reported later
-        return options
-    return {**options, "shape": meta.shape}
 
 
 class Allreduce:
@@ -170,18 +112,14 @@ class Allreduce:
     def __init__(self, comm: Any = None, *, op: str = "mean", algorithm: str = "auto",
                  compressor: Any = None, error_feedback: bool = True, seed: int = 0,
                  check: bool | str = True, **options: Any) -> None:
-        from . import compressors
         from .error_feedback import ErrorFeedback, ErrorFeedbackWarning, contractive
 
-        if compressor is None and options:
-            raise ConfigError(f"unknown options {sorted(options)} (compressor options need "
-                              "compressor=...)")
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 63:
-            raise ConfigError(f"seed must be an integer in 0..2**63-1, got {seed!r}")
+        check = check if check == "first" else bool(check)
+        self.plan = Reduction.configure(op=op, algorithm=algorithm, compressor=compressor,
+                                        options=options, seed=seed, check=check)
         self.comm, self.op, self.algorithm, self.seed, self.check = (
-            comm, op, algorithm, seed, check if check == "first" else bool(check))
-        self.compressor = None if compressor is None else compressors.get(compressor,
-                                                                          **options)
+            comm, op, algorithm, seed, check)
+        self.compressor = self.plan.compressor
         lossy = self.compressor is not None and self.compressor.lossy
         stable = lossy and contractive(self.compressor)
         if error_feedback and lossy and not stable:
@@ -203,22 +141,14 @@ class Allreduce:
     def __call__(self, x: Any, key: str = "default") -> Any:
         """Reduce ``x`` (not modified); the residual and step of ``key`` are used."""
         t = self.transport
-        dense = self.compressor is None and self.algorithm not in ("allgather",
-                                                                    "sparse_allgather")
-        buf, meta = _flat(x, t, dense)
-        if dense:
-            dense_allreduce(t, buf, self.op, meta.dtype, self.algorithm, check=self.check)
+        buf, meta = self.plan.flat(x, t)
+        compressed = self.plan.compresses(meta.dtype)  # (a sparse gradient may go
+        buf = self.plan.run(t, buf, meta.dtype, meta=meta,   # uncompressed through
+                            residuals=self.error_feedback if compressed else None,
+                            key=key if compressed else None)   # sparse_allgather)
+        if not compressed:
             self.error_feedback.advance(key)
-        else:                               # (a sparse gradient may go uncompressed through
-            from .compressed import compressed_allreduce    # sparse_allgather)
-
-            buf = compressed_allreduce(t, buf, meta.dtype, op=self.op,
-                                       algorithm=self.algorithm,
-                                       compressor=self.compressor or "none",
-                                       check=self.check, seed=self.seed,
-                                       residuals=self.error_feedback, key=key,
-                                       **_with_shape(self.compressor, meta, {}))
-        return _unflat(buf, meta)
+        return arrays.from_flat(buf, meta)
 
     def _signature(self) -> str:
         c = self.compressor

@@ -8,7 +8,7 @@ import pytest
 
 import gradcomm
 from gradcomm import arrays
-from gradcomm._allreduce import _with_shape
+from gradcomm._plan import with_shape
 from gradcomm.comm import run_ranks
 from gradcomm.compressors.powersgd import PowerSGD
 
@@ -22,12 +22,12 @@ def _rank1(t) -> np.ndarray:
 
 def test_shape_goes_only_to_codecs_that_use_it():
     meta2, meta1 = arrays.meta_of(np.zeros((4, 5))), arrays.meta_of(np.zeros(20))
-    assert _with_shape("powersgd", meta2, {"rank": 2}) == {"rank": 2, "shape": (4, 5)}
-    assert _with_shape(PowerSGD(), meta2, {}) == {"shape": (4, 5)}
-    assert _with_shape("powersgd", meta1, {}) == {}                # flat: codec's layout
-    assert _with_shape("powersgd", meta2, {"shapes": [(20,)]}) == {"shapes": [(20,)]}
+    assert with_shape("powersgd", meta2, {"rank": 2}) == {"rank": 2, "shape": (4, 5)}
+    assert with_shape(PowerSGD(), meta2, {}) == {"shape": (4, 5)}
+    assert with_shape("powersgd", meta1, {}) == {}                # flat: codec's layout
+    assert with_shape("powersgd", meta2, {"shapes": [(20,)]}) == {"shapes": [(20,)]}
     for other in ("topk", "fp16", None, "no-such-codec"):
-        assert _with_shape(other, meta2, {}) == {}
+        assert with_shape(other, meta2, {}) == {}
 
 
 @pytest.mark.parametrize("algorithm", ["ring", "native"])

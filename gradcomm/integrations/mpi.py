@@ -45,12 +45,13 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from .. import arrays
-from .._dtypes import FLOATS, storage
+from .._dtypes import storage
 from ..errors import ConfigError
 
 #: logical dtypes the wrapper reduces itself (bool is left to MPI: it only allows LOR/LAND)
@@ -72,11 +73,14 @@ class _Buf(NamedTuple):
 class GradcommComm:
     """Mixed into a subclass of the wrapped communicator's class by :func:`wrap`.
 
-    Class attributes (set per ``wrap()`` call, inherited by ``Dup()``): ``gradcomm_options``.
+    Class attributes (set per ``wrap()`` call, inherited by ``Dup()``): ``gradcomm_options``
+    (as given) and ``gradcomm_plan`` (validated).
     Instance attributes: the original object (attribute pass-through) and the transport.
     """
 
     gradcomm_options: dict[str, Any] = {}
+    #: the validated :class:`~gradcomm._plan.Reduction` every handled ``Allreduce`` runs
+    gradcomm_plan: Any = None
     _gradcomm_base: type = object
     #: the communicator ``wrap()`` was given (its own attributes pass through); None in a
     #: ``Dup()`` of a wrapped one
@@ -157,27 +161,12 @@ class GradcommComm:
         arrays.copy_from_host(recv.obj, host)
 
     def _gradcomm_compresses(self, dtype: str, op: str) -> bool:
-        return self.gradcomm_options["compressor"] is not None and op == "sum" and \
-            dtype in FLOATS
+        return self.gradcomm_plan.compresses(dtype, op)
 
     def _gradcomm_reduce(self, buf: Any, dtype: str, op: str) -> None:
-        from ..collectives import DENSE, dense_allreduce
-
-        opts = self.gradcomm_options
-        t = self.gradcomm_transport
-        algorithm, compressor = opts["algorithm"], opts["compressor"]
-        if self._gradcomm_compresses(dtype, op):
-            from ..compressed import compressed_allreduce
-
-            out = compressed_allreduce(t, buf, dtype, op="sum", algorithm=algorithm,
-                                       compressor=compressor, check=opts["check"],
-                                       seed=opts["seed"], **opts["options"])
-            if out is not buf:
-                arrays.assign(buf, out)
-            return
-        if algorithm not in DENSE:                 # compressed-only names, e.g. allgather
-            algorithm = "auto"
-        dense_allreduce(t, buf, op, dtype, algorithm, check=opts["check"])
+        out = self.gradcomm_plan.run(self.gradcomm_transport, buf, dtype, op=op)
+        if out is not buf:
+            arrays.assign(buf, out)
 
     def __getattr__(self, name: str) -> Any:
         # only reached for names the communicator class does not have: the original
@@ -215,26 +204,14 @@ def wrap(comm: Any, algorithm: str = "auto", compressor: Any = None, *, check: b
     """
     from mpi4py import MPI
 
-    from ..collectives import ALGORITHMS
+    from .._plan import Reduction
 
     if not isinstance(comm, MPI.Comm):
         raise ConfigError(f"wrap() needs an mpi4py communicator, got "
                           f"{type(comm).__module__}.{type(comm).__qualname__}")
-    if compressor is None:
-        if options:
-            raise ConfigError(f"unknown options {sorted(options)} (compressor options need "
-                              "compressor=...)")
-        if algorithm not in ALGORITHMS or algorithm == "sparse_allgather":
-            raise ConfigError(f"unknown algorithm {algorithm!r}; known: "
-                              f"{', '.join(a for a in ALGORITHMS if a != 'sparse_allgather')}")
-    else:
-        from .. import compressors
-        from ..compressed import COMPRESSED_ALGORITHMS
-
-        compressors.get(compressor, **options)       # fails early on a bad name/option
-        if algorithm not in COMPRESSED_ALGORITHMS:
-            raise ConfigError(f"unknown algorithm {algorithm!r} with a compressor; known: "
-                              f"{', '.join(COMPRESSED_ALGORITHMS)}")
+    plan = Reduction.configure(algorithm=algorithm, compressor=compressor, options=options,
+                               check=bool(check), exact_fallback=True, check_algorithm=True)
+    plan = dataclasses.replace(plan, seed=seed)      # checked at the first compressed call
     inner = comm._gradcomm_inner if isinstance(comm, GradcommComm) else None
     if inner is None:
         inner = comm
@@ -242,7 +219,8 @@ def wrap(comm: Any, algorithm: str = "auto", compressor: Any = None, *, check: b
     opts = {"algorithm": algorithm, "compressor": compressor, "check": bool(check),
             "seed": seed, "timeout": timeout, "options": dict(options)}
     cls = type(f"Wrapped{base.__name__}", (GradcommComm, base),
-               {"gradcomm_options": opts, "_gradcomm_base": base, "__module__": __name__})
+               {"gradcomm_options": opts, "gradcomm_plan": plan, "_gradcomm_base": base,
+                "__module__": __name__})
     wrapped = cls(comm)
     wrapped._gradcomm_inner = inner
     return wrapped

@@ -1,0 +1,49 @@
+"""``gradcomm._plan.Reduction``: one validated configuration and routing shared by
+``gradcomm.allreduce``, ``gradcomm.Allreduce`` and ``wrap(comm).Allreduce``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gradcomm._plan import Reduction
+from gradcomm.comm import run_ranks
+from gradcomm.compressors.base import Compressor
+from gradcomm.errors import ConfigError
+
+
+def test_configure_validates_and_resolves_the_codec() -> None:
+    plan = Reduction.configure(compressor="topk", options={"ratio": 0.1}, seed=3)
+    assert isinstance(plan.compressor, Compressor) and plan.compressor.name == "topk"
+    assert plan.options == {} and plan.seed == 3
+    with pytest.raises(ConfigError, match="compressor options need"):
+        Reduction.configure(options={"ratio": 0.1})
+    with pytest.raises(ConfigError, match="seed"):
+        Reduction.configure(compressor="fp16", seed=-1)
+    with pytest.raises(KeyError, match="known"):
+        Reduction.configure(compressor="no-such-codec")
+    with pytest.raises(ConfigError, match="with a compressor"):
+        Reduction.configure(compressor="fp16", algorithm="native", check_algorithm=True)
+    with pytest.raises(ConfigError, match="unknown algorithm 'allgather'"):
+        Reduction.configure(algorithm="allgather", check_algorithm=True)
+    Reduction.configure(compressor="fp16", algorithm="native")      # checked per call
+
+
+def test_which_calls_are_compressed() -> None:
+    assert not Reduction().compresses("float32")
+    assert Reduction(algorithm="allgather").compresses("float32")      # the "none" codec
+    assert Reduction(compressor="int8").compresses("int32")            # refused per call
+    wrap = Reduction(compressor="int8", exact_fallback=True)
+    assert wrap.compresses("float32", "sum")
+    assert not wrap.compresses("float32", "max") and not wrap.compresses("int32", "sum")
+
+
+def test_exact_fallback_reduces_what_a_codec_cannot() -> None:
+    plan = Reduction.configure(algorithm="allgather", compressor="int8", exact_fallback=True)
+
+    def fn(t):
+        x = np.full(5, t.rank + 1, np.int32)
+        y = plan.run(t, x, "int32", op="max")
+        z = plan.run(t, np.full(5, t.rank + 1.0, np.float32), "float32")
+        return y.tolist(), z.dtype.name
+    assert run_ranks(3, fn)[0] == ([3] * 5, "float32")

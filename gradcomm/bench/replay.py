@@ -55,10 +55,11 @@ from typing import Any, Sequence
 import numpy as np
 
 from .. import compressors
-from .._dtypes import bf16_to_f32, f32_to_bf16
-from ..compressors.base import Compressor, Payload
+from ..compressors.base import Compressor
 from ..error_feedback import HOP_SEP, ErrorFeedback, contractive
 from ..errors import ConfigError
+from ._replay_hops import (Fold, bounds, children, narrow, per_hop, segment_codec, table,
+                           over_wire, widen)
 
 #: concrete routes :func:`replay` reproduces
 ROUTES = ("allgather", "sparse_allgather", "ring", "tree", "recursive_doubling",
@@ -66,328 +67,6 @@ ROUTES = ("allgather", "sparse_allgather", "ring", "tree", "recursive_doubling",
 #: dense algorithms the PowerSGD rounds and the sparse switch may take
 DENSE_ROUTES = ("ring", "tree", "recursive_doubling", "rabenseifner", "native", "allgather",
                 "sparse_allgather")
-#: dense bytes below which the built-in table picks recursive doubling (auto.SMALL)
-_SMALL = 64 * 1024
-
-
-# -- small schedule helpers (as documented in _segments.py, _fold.py, tree.py) ------------
-def _bounds(n: int, parts: int) -> list[int]:
-    base, extra = divmod(n, parts)
-    return [i * base + min(i, extra) for i in range(parts + 1)]
-
-
-def _chunks(lo: int, hi: int, chunk: int) -> list[tuple[int, int]]:
-    m = hi - lo
-    if m <= 0:
-        return []
-    k = -(-m // chunk)
-    o = _bounds(m, k)
-    return [(lo + o[i], lo + o[i + 1]) for i in range(k)]
-
-
-def _children(rank: int, size: int) -> list[int]:
-    limit = rank & -rank if rank else size
-    out, d = [], 1
-    while d < limit and rank + d < size:
-        out.append(rank + d)
-        d <<= 1
-    return out
-
-
-class _Fold:
-    def __init__(self, p: int) -> None:
-        self.pof2 = 1 << (p.bit_length() - 1)
-        self.rem = p - self.pof2
-
-    def real(self, v: int) -> int:
-        return v * 2 + 1 if v < self.rem else v + self.rem
-
-    def virtual(self, r: int) -> int:
-        if r < 2 * self.rem:
-            return -1 if r % 2 == 0 else r // 2
-        return r - self.rem
-
-
-def _table(p: int, nbytes: int) -> str:
-    """The built-in dense choice without a profile (``auto.table``, no native)."""
-    if nbytes < _SMALL:
-        return "recursive_doubling"
-    return "rabenseifner" if p > 2 and p & (p - 1) == 0 else "ring"
-
-
-def _wire(payload: Payload) -> Payload:
-    """The payload as a receiver parses it off the wire."""
-    return Payload.from_bytes(payload.to_bytes())
-
-
-# -- dtypes ---------------------------------------------------------------------------------
-def _widen(x: np.ndarray, dtype: str) -> np.ndarray:
-    """A working copy: float32 for 16-bit floats, else a copy of ``x``."""
-    if dtype == "bfloat16":
-        return bf16_to_f32(np.ascontiguousarray(x, np.uint16)).copy()
-    if dtype == "float16":
-        return np.ascontiguousarray(x, np.float16).astype(np.float32)
-    return np.array(x, copy=True)
-
-
-def _narrow(x: np.ndarray, dtype: str) -> np.ndarray:
-    """The result in the storage dtype of ``dtype``."""
-    if dtype == "bfloat16":
-        return f32_to_bf16(x)
-    if dtype == "float16":
-        with np.errstate(over="ignore", invalid="ignore"):
-            h = x.astype(np.float16)
-        nan = x != x
-        if nan.any():
-            bits = h.view(np.uint16)
-            bits[nan] = np.where(np.signbit(x[nan]), 0xFE00, 0x7E00).astype(np.uint16)
-        return h
-    return x
-
-
-# -- one rank's view of a per-hop compressed schedule ---------------------------------------
-class _Rank:
-    """What one rank holds during a per-hop replay: its buffer, hop counters, finished
-    pieces (offset -> (n, payload)) and its residual store."""
-
-    def __init__(self, r: int, buf: np.ndarray, codec: Compressor, base: tuple[int, ...],
-                 ef: ErrorFeedback | None, key: str, max_parts: int) -> None:
-        self.r, self.buf, self.codec, self.base = r, buf, codec, base
-        self.ef, self.key, self.max_parts = ef, key, max_parts
-        self.partial_hops = self.final_hops = 0
-        self.finished: dict[int, tuple[int, Payload]] = {}
-        self.add = codec.decodes_add
-
-    # seeds
-    def _partial_seed(self, off: int, n: int, hop: int) -> tuple[int, ...]:
-        if self.codec.shared_seed:
-            return (*self.base, off, n)
-        return (*self.base, self.r, 1, hop, off, n)
-
-    def _final_seed(self, off: int, n: int, hop: int) -> tuple[int, ...]:
-        if self.codec.shared_seed:
-            return (*self.base, off, n)
-        seg = self.buf[off:off + n]
-        fp = zlib.crc32(np.ascontiguousarray(seg[::max(1, n // 64)]).tobytes())
-        return (*self.base, 2, hop, off, n, fp)
-
-    def _residual(self, tag: str, hop: int, n: int) -> np.ndarray | None:
-        if self.ef is None:
-            return None
-        return self.ef.residual(f"{self.key}{HOP_SEP}{tag}{hop}", n, self.buf.dtype)
-
-    def _forget(self, lo: int, hi: int) -> None:
-        for o in [o for o, (m, _) in self.finished.items() if o < hi and o + m > lo]:
-            del self.finished[o]
-
-    def _decode(self, payload: Payload, n: int) -> np.ndarray:
-        out = self.codec.decompress(payload, out=np.empty(n, self.buf.dtype))
-        return np.asarray(out, self.buf.dtype)
-
-    # the four operations of a hop
-    def encode(self, lo: int, hi: int) -> Payload:
-        """A partial segment's payload (with its hop residual, if any)."""
-        n, hop = hi - lo, self.partial_hops
-        self.partial_hops += 1
-        seed = self._partial_seed(lo, n, hop)
-        e = self._residual("e", hop, n)
-        if e is None:
-            return _wire(self.codec.compress(self.buf[lo:hi].copy(), seed=seed))
-        with np.errstate(invalid="ignore", over="ignore"):
-            y = self.buf[lo:hi] + e
-            pl = self.codec.compress(y.copy(), seed=seed)
-            e[...] = y - self._decode(pl, n)
-        return _wire(pl)
-
-    def reduce(self, lo: int, hi: int, pieces: list[tuple[int, int, Payload]]) -> None:
-        """``seg += decode(peer's partial)``."""
-        assert len(pieces) == 1 and pieces[0][:2] == (lo, hi - lo), pieces
-        self._forget(lo, hi)
-        seg = self.buf[lo:hi]
-        with np.errstate(invalid="ignore", over="ignore"):
-            if self.add:
-                self.codec.decompress(pieces[0][2], out=seg, add=True)  # type: ignore[call-arg]
-            else:
-                seg += self._decode(pieces[0][2], hi - lo)
-
-    def final(self, lo: int, hi: int) -> list[tuple[int, int, Payload]]:
-        """A finished segment: its finished pieces if they tile it, else encoded once
-        (the segment then holds the decoded values)."""
-        n = hi - lo
-        pieces = sorted((o, m, pl) for o, (m, pl) in self.finished.items()
-                        if lo <= o and o + m <= hi)
-        if sum(m for _, m, _ in pieces) == n and len(pieces) <= self.max_parts:
-            return pieces
-        hop = self.final_hops
-        self.final_hops += 1
-        seed = self._final_seed(lo, n, hop)
-        e = self._residual("f", hop, n)
-        seg = self.buf[lo:hi]
-        with np.errstate(invalid="ignore", over="ignore"):
-            y = seg.copy() if e is None else seg + e
-            pl = self.codec.compress(y.copy(), seed=seed)
-            if self.codec.lossy or e is not None:
-                dec = self._decode(pl, n)
-                if e is not None:
-                    e[...] = y - dec
-                seg[...] = dec
-        pl = _wire(pl)
-        self._forget(lo, hi)
-        self.finished[lo] = (n, pl)
-        return [(lo, n, pl)]
-
-    def place(self, lo: int, hi: int, pieces: list[tuple[int, int, Payload]]) -> None:
-        """``seg = decode(finished pieces)``."""
-        assert sum(m for _, m, _ in pieces) == hi - lo
-        self._forget(lo, hi)
-        for o, m, pl in pieces:
-            self.buf[o:o + m] = self._decode(pl, m)
-            self.finished[o] = (m, pl)
-
-
-def _ring(ranks: list[_Rank], n: int, chunk: int) -> None:
-    p = len(ranks)
-    off = _bounds(n, p)
-
-    def pieces(seg: int) -> list[tuple[int, int]]:
-        return _chunks(off[seg], off[seg + 1], chunk)
-
-    msgs = [[ranks[r].encode(lo, hi) for lo, hi in pieces(r)] for r in range(p)]
-    finals: list[list[list[tuple[int, int, Payload]]]] = [[] for _ in range(p)]
-    for s in range(p - 1):
-        new = []
-        for r in range(p):
-            left, seg, out = (r - 1) % p, (r - s - 1) % p, []
-            for (lo, hi), pl in zip(pieces(seg), msgs[left]):
-                ranks[r].reduce(lo, hi, [(lo, hi - lo, pl)])
-                if s + 1 < p - 1:
-                    out.append(ranks[r].encode(lo, hi))
-                else:
-                    finals[r].append(ranks[r].final(lo, hi))
-            new.append(out)
-        msgs = new
-    for r in range(p):                      # allgather: the owner's bytes, forwarded
-        for owner in range(p):
-            if owner != r:
-                for (lo, hi), fin in zip(pieces((owner + 1) % p), finals[owner]):
-                    ranks[r].place(lo, hi, fin)
-
-
-def _tree(ranks: list[_Rank], n: int, chunk: int) -> None:
-    p = len(ranks)
-    for lo, hi in _chunks(0, n, chunk):
-        up: dict[int, Payload] = {}
-        for r in range(p - 1, -1, -1):      # children (higher ranks) first
-            for c in _children(r, p):
-                ranks[r].reduce(lo, hi, [(lo, hi - lo, up.pop(c))])
-            if r:
-                up[r] = ranks[r].encode(lo, hi)
-        fin = ranks[0].final(lo, hi)
-        for r in range(1, p):
-            ranks[r].place(lo, hi, fin)
-
-
-def _fold_in(ranks: list[_Rank], fold: _Fold, n: int) -> None:
-    for i in range(fold.rem):
-        ranks[2 * i + 1].reduce(0, n, [(0, n, ranks[2 * i].encode(0, n))])
-
-
-def _hand_back(ranks: list[_Rank], fold: _Fold, n: int,
-               outs: dict[int, list[tuple[int, int, Payload]]]) -> None:
-    for i in range(fold.rem):
-        ranks[2 * i].place(0, n, outs[i])   # virtual rank i is real rank 2i + 1
-
-
-def _recursive_doubling(ranks: list[_Rank], n: int) -> None:
-    fold = _Fold(len(ranks))
-    _fold_in(ranks, fold, n)
-    vr = [ranks[fold.real(v)] for v in range(fold.pof2)]
-    mask = 1
-    while mask < fold.pof2:
-        outs = [w.final(0, n) for w in vr]
-        for v, w in enumerate(vr):
-            w.reduce(0, n, outs[v ^ mask])
-        mask <<= 1
-    _hand_back(ranks, fold, n, {v: w.final(0, n) for v, w in enumerate(vr)})
-
-
-def _rabenseifner(ranks: list[_Rank], n: int) -> None:
-    fold = _Fold(len(ranks))
-    pof2 = fold.pof2
-    _fold_in(ranks, fold, n)
-    vr = [ranks[fold.real(v)] for v in range(pof2)]
-    off = _bounds(n, pof2)
-
-    def window(v: int, size: int) -> tuple[int, int]:
-        first = v & ~(size - 1)
-        return off[first], off[first + size]
-
-    mask = pof2 >> 1
-    while mask:                             # recursive halving
-        sent = {}
-        for v, w in enumerate(vr):
-            lo, hi = window(v ^ mask, mask)
-            if hi > lo:
-                sent[v] = (lo, hi - lo, w.encode(lo, hi))
-        for v, w in enumerate(vr):
-            lo, hi = window(v, mask)
-            if hi > lo:
-                w.reduce(lo, hi, [sent[v ^ mask]])
-        mask >>= 1
-    mask = 1
-    while mask < pof2:                      # recursive doubling of finished windows
-        outs = {}
-        for v, w in enumerate(vr):
-            lo, hi = window(v, mask)
-            if hi > lo:
-                outs[v] = w.final(lo, hi)
-        for v, w in enumerate(vr):
-            lo, hi = window(v ^ mask, mask)
-            if hi > lo:
-                w.place(lo, hi, outs[v ^ mask])
-        mask <<= 1
-    if fold.rem:
-        _hand_back(ranks, fold, n, {v: w.final(0, n) for v, w in enumerate(vr)})
-
-
-def segment_codec(codec: Compressor, n: int) -> Compressor:
-    """A codec told to keep ``k`` elements keeps ``k/n`` of every per-hop segment."""
-    k = codec.get_config().get("k")
-    if k is None or not n:
-        return codec
-    return compressors.get(codec.name, ratio=min(1.0, k / n))
-
-
-def _chunk_elements(codec: Compressor, n: int, dt: np.dtype) -> int:
-    """Elements per pipelined message of the compressed ring and tree."""
-    from ..compressed.routes import CHUNK_BYTES
-
-    itemsize = dt.itemsize
-    ratio = n * itemsize / max(1, int(codec.max_nbytes(n, dt.name)))
-    chunk_bytes = max(itemsize, int(CHUNK_BYTES * max(1.0, ratio)))
-    return max(1, chunk_bytes // itemsize)
-
-
-def _per_hop(xs: list[np.ndarray], codec: Compressor, name: str, base: tuple[int, ...],
-             efs: list[ErrorFeedback | None], key: str) -> np.ndarray:
-    p, n = len(xs), xs[0].size
-    codec = segment_codec(codec, n)
-    parts = 1 << (p.bit_length() - 1) if name == "rabenseifner" else 1
-    ranks = [_Rank(r, xs[r], codec, base, efs[r] if codec.lossy else None, key, parts)
-             for r in range(p)]
-    if name == "ring":
-        _ring(ranks, n, _chunk_elements(codec, n, xs[0].dtype))
-    elif name == "tree":
-        _tree(ranks, n, _chunk_elements(codec, n, xs[0].dtype))
-    elif name == "recursive_doubling":
-        _recursive_doubling(ranks, n)
-    else:
-        _rabenseifner(ranks, n)
-    out = ranks[0].buf
-    for w in ranks[1:]:
-        if w.buf.tobytes() != out.tobytes():
-            raise AssertionError(f"replay: rank {w.r} ends with other bytes than rank 0")
-    return out
 
 
 # -- dense sums (the sparse switch, PowerSGD's rounds) ---------------------------------------
@@ -412,7 +91,7 @@ def dense_sum(bufs: Sequence[np.ndarray], algorithm: str) -> np.ndarray:
                 out += b
             return out
         if algorithm == "ring":
-            off, out = _bounds(n, p), np.empty_like(v[0])
+            off, out = bounds(n, p), np.empty_like(v[0])
             for j in range(p):
                 lo, hi = off[j], off[j + 1]
                 acc = v[j][lo:hi].copy()
@@ -423,11 +102,11 @@ def dense_sum(bufs: Sequence[np.ndarray], algorithm: str) -> np.ndarray:
         if algorithm == "tree":
             def sub(r: int) -> np.ndarray:
                 acc = v[r]
-                for c in _children(r, p):
+                for c in children(r, p):
                     acc = acc + sub(c)
                 return acc
             return sub(0)
-        fold = _Fold(p)
+        fold = Fold(p)
         for i in range(fold.rem):
             v[2 * i + 1] = v[2 * i] + v[2 * i + 1]
         vr = [v[fold.real(k)] for k in range(fold.pof2)]
@@ -438,7 +117,7 @@ def dense_sum(bufs: Sequence[np.ndarray], algorithm: str) -> np.ndarray:
                 mask <<= 1
             return vr[0]
         if algorithm == "rabenseifner":
-            off = _bounds(n, fold.pof2)
+            off = bounds(n, fold.pof2)
             mask = fold.pof2 >> 1
             while mask:
                 for k in range(fold.pof2):
@@ -456,7 +135,7 @@ def dense_sum(bufs: Sequence[np.ndarray], algorithm: str) -> np.ndarray:
 
 def _dense_choice(transport: Any, p: int, nbytes: int, dtype: str, native: bool) -> str:
     if transport is None:
-        return _table(p, nbytes)
+        return table(p, nbytes)
     from ..collectives.auto import select
 
     return select(transport, nbytes, dtype, "sum", native=native)
@@ -512,7 +191,7 @@ def _gathered(xs: list[np.ndarray], codec: Compressor, sparse: bool,
             pl = codec.compress(y.copy(), seed=seed)
             if e is not None:
                 e[...] = y - np.asarray(codec.decompress(pl, out=np.empty(n, dt)), dt)
-        payloads.append(_wire(pl))
+        payloads.append(over_wire(pl))
     if sparse:
         pairs = []
         for pl in payloads:
@@ -556,7 +235,7 @@ def _powersgd(xs: list[np.ndarray], dtype: str, op: str, algorithm: str, codec: 
         at += m
     compress = p > 1 and n > 0 and step >= codec.start_iter
     wdt = np.dtype(np.float64 if dtype == "float64" else np.float32)
-    x = [_widen(a, dtype) for a in xs]
+    x = [widen(a, dtype) for a in xs]
     if op == "mean" and p > 1:
         for a in x:
             np.divide(a, a.dtype.type(p), out=a)
@@ -578,7 +257,7 @@ def _powersgd(xs: list[np.ndarray], dtype: str, op: str, algorithm: str, codec: 
                 e = ef.residual(key, n, a.dtype)
                 e[...] = a - a
         res = rounds(x) if p > 1 and n else x[0]
-        return _narrow(res, dtype)
+        return narrow(res, dtype)
     plain = [pt for pt in parts if not pt[3].r]
     low = [pt for pt in parts if pt[3].r]
     qs = []
@@ -642,7 +321,7 @@ def _powersgd(xs: list[np.ndarray], dtype: str, op: str, algorithm: str, codec: 
         for s in stores:
             if s is not None and codec.warm_start:
                 s.set_extra(name + HOP_SEP + "q", qm.reshape(-1).copy())
-    return _narrow(out, dtype)
+    return narrow(out, dtype)
 
 
 # -- the entry point ---------------------------------------------------------------------------
@@ -693,7 +372,7 @@ def _replay(xs: list[np.ndarray], dtype: str, op: str, algorithm: str, codec: Co
     p, n = len(xs), xs[0].size
     efs = [s if (s is not None and s.enabled and codec.lossy and contractive(codec))
            else None for s in stores]
-    x = [_widen(a, dtype) for a in xs]
+    x = [widen(a, dtype) for a in xs]
     pre = op == "mean" and codec.lossy and p > 1
     if pre:
         for a in x:
@@ -704,7 +383,7 @@ def _replay(xs: list[np.ndarray], dtype: str, op: str, algorithm: str, codec: Co
             with np.errstate(invalid="ignore", over="ignore"):
                 a += ef.residual(key, n, a.dtype)
                 ef.residual(key, n, a.dtype)[...] = a - a
-        return _narrow(a, dtype)
+        return narrow(a, dtype)
     name = algorithm
     if name == "auto":
         if transport is None:
@@ -718,10 +397,10 @@ def _replay(xs: list[np.ndarray], dtype: str, op: str, algorithm: str, codec: Co
     if name in ("allgather", "sparse_allgather"):
         out = _gathered(x, codec, name == "sparse_allgather", base, efs, key, transport)
     else:
-        out = _per_hop(x, codec, name, base, efs, key)
+        out = per_hop(x, codec, name, base, efs, key)
     if op == "mean" and not pre:
         np.divide(out, out.dtype.type(p), out=out)
-    return _narrow(out, dtype)
+    return narrow(out, dtype)
 
 
 __all__ = ["DENSE_ROUTES", "ROUTES", "dense_sum", "replay", "segment_codec"]

@@ -38,12 +38,16 @@ def test_cap_holds_for_socket_and_mpi_and_cleans_up():
         assert sorted(_leftovers(net)) == [net.ns(0), net.ns(1)]
         qd = net.qdiscs()
         assert qd.count("tbf") == 2 and "100Mbit" in qd, qd
-        rows = netns.check(net, NBYTES, vias=("socket", "mpi"), repeat=1, verbose=False)
+        rows = netns.check(net, NBYTES, vias=("socket", "mpi"), repeat=3, verbose=False)
         assert [(r["via"], r["src"], r["dst"]) for r in rows] == [
             ("socket", 0, 1), ("socket", 1, 0), ("mpi", 0, 1), ("mpi", 1, 0)]
         for r in rows:
-            # within 10 % of the cap; never meaningfully above it (the burst allows ~3 %)
-            assert abs(r["measured_bps"] / RATE - 1) <= 0.10, r
+            # the cap holds on every run (the burst allows ~3 %), and the link carries it:
+            # the best of three runs within 10 % (one run on a loaded 2-core machine can
+            # fall far below any cap; a wrong rate unit is off by 10x)
+            assert max(r["all_bps"]) / RATE <= 1.10, r
+            assert r["measured_bps"] == max(r["all_bps"]) and len(r["all_bps"]) == 3, r
+            assert r["measured_bps"] / RATE >= 0.90, r
     finally:
         net.down()
     assert _leftovers(net) == []

@@ -9,6 +9,8 @@ library casts. Used by the in-process matrix and by the mpirun / gloo scripts.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from gradcomm._dtypes import FLOATS
@@ -47,3 +49,19 @@ def op_applies(op: str, dtype: str) -> bool:
 
 def same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def torch_roundtrip(state: Any) -> Any:
+    """``state`` through ``torch.save`` and ``torch.load(weights_only=True)`` with gradcomm's
+    safe globals, as a checkpoint is saved and resumed."""
+    import io
+
+    import torch
+
+    from gradcomm.error_feedback import torch_safe_globals
+
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    with torch.serialization.safe_globals(torch_safe_globals()):
+        return torch.load(buf, weights_only=True)

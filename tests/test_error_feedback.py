@@ -15,6 +15,7 @@ from gradcomm.error_feedback import (ErrorFeedback, ErrorFeedbackWarning, Residu
                                      ResidualStore, contractive, torch_safe_globals)
 from gradcomm.errors import ConfigError
 from tests._grid import Grid
+from tests._cases import torch_roundtrip
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -189,7 +190,7 @@ def test_resume_is_bitwise_equal_to_unbroken_run(label: str, codec: Any, algorit
 
 
 def test_resume_torch_tensors_and_torch_save() -> None:
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     if not LOSSY:
         pytest.skip("no lossy codec registered yet")
     p, k, T = 2, 2, 5
@@ -199,13 +200,7 @@ def test_resume_torch_tensors_and_torch_save() -> None:
 
     unbroken = run_ranks(p, lambda t: _train(t, factory, range(T), kind="torch")[0])
     first = run_ranks(p, lambda t: _train(t, factory, range(k), kind="torch"))
-    states = []
-    for _, sd in first:
-        buf = io.BytesIO()
-        torch.save(sd, buf)
-        buf.seek(0)
-        with torch.serialization.safe_globals(torch_safe_globals()):
-            states.append(torch.load(buf, weights_only=True))
+    states = [torch_roundtrip(sd) for _, sd in first]
     rest = run_ranks(p, lambda t: _train(t, factory, range(k, T), states, kind="torch")[0])
     for r in range(p):
         assert first[r][0] + rest[r] == unbroken[r]

@@ -4,7 +4,6 @@ bitwise resume, wire bytes, cross-rank checks, the DDP hook next to PyTorch's Po
 
 from __future__ import annotations
 
-import io
 from typing import Any
 
 import numpy as np
@@ -18,8 +17,9 @@ from gradcomm.compressed import compressed_allreduce
 from gradcomm.compressed.powersgd import parts_of, wire_values
 from gradcomm.comm import run_ranks
 from gradcomm.compressors.powersgd import PowerSGD
-from gradcomm.error_feedback import ErrorFeedback, torch_safe_globals
+from gradcomm.error_feedback import ErrorFeedback
 from gradcomm.errors import ConfigError, MismatchError, UnsupportedError
+from tests._cases import torch_roundtrip
 from tests._launch import have_torch, torch_call
 
 pytestmark = pytest.mark.timeout(60)
@@ -195,16 +195,10 @@ def test_resume_is_bitwise_equal_to_the_unbroken_run(kw: dict, tmp_path) -> None
 
 
 def test_resume_through_torch_save_weights_only() -> None:
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     unbroken = run_ranks(2, lambda t: _train(t, range(4))[0])
     first = run_ranks(2, lambda t: _train(t, range(2)))
-    states = []
-    for _, sd in first:
-        buf = io.BytesIO()
-        torch.save(sd, buf)
-        buf.seek(0)
-        with torch.serialization.safe_globals(torch_safe_globals()):
-            states.append(torch.load(buf, weights_only=True))
+    states = [torch_roundtrip(sd) for _, sd in first]
     rest = run_ranks(2, lambda t: _train(t, range(2, 4), states[t.rank])[0])
     assert [f[0] + r for f, r in zip(first, rest)] == unbroken
 

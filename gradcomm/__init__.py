@@ -27,6 +27,7 @@ _LAZY = {
     "gossip_average": "gradcomm.collectives.gossip",
     "Gossip": "gradcomm.collectives.gossip",
     "ErrorFeedback": "gradcomm.error_feedback",
+    "reduce_scatter": "gradcomm.compressed.reduce_scatter",
 }
 
 
@@ -37,4 +38,4 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = ["Allreduce", "ErrorFeedback", "Gossip", "GradcommError", "allreduce", "allreduce_", "comm", "compressors", "errors",
-           "gossip_average", "sparse_allgather", "__version__"]
+           "gossip_average", "reduce_scatter", "sparse_allgather", "__version__"]

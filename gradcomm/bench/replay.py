@@ -31,7 +31,8 @@ What is modelled:
 Not modelled (documented limits): a calibrated profile's choices unless ``transport`` is
 given, MPI's own ``MPI_Allreduce`` (``native`` on MPI; the threads transport's native
 sum, in rank order, is modelled), device buffers (their bytes equal the host's), and the
-DDP hook's per-parameter residual store.
+DDP hook's per-parameter residual store. Reduce-scatters: :func:`replay_reduce_scatter`
+(:mod:`gradcomm.bench._replay_rs`).
 
 Example:
     >>> import numpy as np
@@ -60,6 +61,7 @@ from ..error_feedback import HOP_SEP, ErrorFeedback, contractive
 from ..errors import ConfigError
 from ._replay_hops import (Fold, bounds, children, narrow, per_hop, segment_codec, table,
                            over_wire, widen)
+from ._replay_rs import RS_ROUTES, replay_reduce_scatter
 
 #: concrete routes :func:`replay` reproduces
 ROUTES = ("allgather", "sparse_allgather", "ring", "tree", "recursive_doubling",
@@ -403,4 +405,5 @@ def _replay(xs: list[np.ndarray], dtype: str, op: str, algorithm: str, codec: Co
     return narrow(out, dtype)
 
 
-__all__ = ["DENSE_ROUTES", "ROUTES", "dense_sum", "replay", "segment_codec"]
+__all__ = ["DENSE_ROUTES", "ROUTES", "RS_ROUTES", "dense_sum", "replay",
+           "replay_reduce_scatter", "segment_codec"]

@@ -14,13 +14,16 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from typing import Any, Callable
 
-from ..comm.base import Transport
+import numpy as np
+
+from ..comm.base import TAG_DATA, Transport
 from ..errors import ConfigError, GradcommError
 from . import auto
-from ._check import agree
+from ._check import agree, data_tag
 from ..ops import OPS, Reducer, reducer
 
 #: dense allreduce algorithms by name (module under gradcomm.collectives)
@@ -30,6 +33,7 @@ ALGORITHMS = (*DENSE, "sparse_allgather", "auto")
 CHECK_MODES = (True, False, "first")
 
 _FUNCS: dict[str, Callable[..., None]] = {}
+_NO_CONTEXT = contextlib.nullcontext()
 
 
 def algorithm(name: str) -> Callable[..., None]:
@@ -53,12 +57,18 @@ def dense_allreduce(t: Transport, buf: Any, op: str, dtype: str, algorithm_name:
       on every rank, a rank that never joins a :class:`~gradcomm.errors.DeadlineError`;
     - ``"first"``: the same, but only the first time this transport sees these exact
       arguments; later calls with them skip the exchange. For loops that repeat one
-      call: a later disagreement (a rank passing other arguments, or calling another
-      collective) is then *not* a MismatchError but whatever the algorithm meets — a
-      receive of the wrong size (TransportError) or a DeadlineError — and with
-      ``algorithm="native"`` on MPI possibly neither. ``auto`` never hands an unchecked
-      call to a native allreduce that cannot time out;
+      call: a later disagreement (a rank passing another count, dtype, op or
+      algorithm, or calling another collective) is then *not* a MismatchError but a
+      :class:`~gradcomm.errors.DeadlineError` (or a receive of the wrong size,
+      TransportError): an unchecked call sends its data under a tag derived from its
+      arguments (:func:`~gradcomm.collectives._check.data_tag`), so ranks that disagree
+      never combine each other's data. ``auto`` hands unchecked calls to gradcomm's own
+      algorithms only, and ``algorithm="native"`` (which has no tags) checks every call;
     - ``False``: no check.
+
+    float16 ``op="mean"`` sums, then divides; where that sum overflowed to +-inf while
+    the inputs were finite, those elements are reduced again in float32 (every rank sees
+    the same inf positions, so all take this second, small round or none do).
 
     Invalid names raise :class:`~gradcomm.errors.ConfigError` on every rank.
     """
@@ -73,13 +83,16 @@ def dense_allreduce(t: Transport, buf: Any, op: str, dtype: str, algorithm_name:
             algorithm(algorithm_name)
         except GradcommError as exc:
             problem = exc
-    checked = t.size == 1
+    checked, tag = t.size == 1, TAG_DATA
     if check:
         if check is not True and check != "first":
             raise ConfigError(f"check must be True, False or 'first', got {check!r}")
-        ran = agree(t, "allreduce", once=check == "first", count=int(buf.size), dtype=dtype,
-                    op=op, algorithm=algorithm_name)
+        fields = dict(count=int(buf.size), dtype=dtype, op=op, algorithm=algorithm_name)
+        ran = agree(t, "allreduce", once=check == "first" and algorithm_name != "native",
+                    **fields)
         checked = checked or ran is not None
+        if not checked:                     # skipped: the arguments travel in the tag
+            tag = data_tag(t, "allreduce", **fields)
     if problem is not None:
         raise problem
     assert red is not None
@@ -88,11 +101,35 @@ def dense_allreduce(t: Transport, buf: Any, op: str, dtype: str, algorithm_name:
         if checked and not t.state.profile_agreed:     # not auto.is_agreed(t)
             auto.agree_profile(t)           # once per transport, collective (see auto)
         name = auto.select(t, int(buf.nbytes), dtype, red.base_op,
-                           native=checked or t.native_bounded)
-    (_FUNCS.get(name) or algorithm(name))(t, buf, red)
+                           native=checked or (t.native_bounded and check != "first"))
+    orig = buf.copy() if red.op == "mean" and dtype == "float16" and t.size > 1 and \
+        type(buf) is np.ndarray else None
+    with np.errstate(over="ignore") if orig is not None else _NO_CONTEXT:
+        if tag == TAG_DATA:
+            (_FUNCS.get(name) or algorithm(name))(t, buf, red)
+        else:
+            (_FUNCS.get(name) or algorithm(name))(t, buf, red, tag=tag)
     if red.op == "mean":
         red.finalize(buf, t.size)
+    if orig is not None:
+        _redo_overflow(t, buf, orig, name, tag)
     return buf
+
+
+def _redo_overflow(t: Transport, buf: Any, orig: Any, name: str, tag: int) -> None:
+    """float16 mean: the elements whose float16 sum is +-inf are summed again in float32
+    (from each rank's input ``orig``) and divided there; an element that is inf because
+    an input was stays inf. ``buf`` holds the same bytes on every rank, so every rank
+    takes this round or none does."""
+    where = np.flatnonzero(np.isinf(buf))
+    if not where.size:
+        return
+    wide = orig[where].astype(np.float32)
+    if name == "native":
+        name = "recursive_doubling"        # native has no float16 here either way
+    (_FUNCS.get(name) or algorithm(name))(t, wide, reducer("sum", "float32"), tag=tag)
+    wide /= np.float32(t.size)
+    buf[where] = wide                       # cast: +-inf only where the mean is beyond
 
 
 __all__ = ["ALGORITHMS", "CHECK_MODES", "DENSE", "OPS", "Reducer", "agree", "algorithm",

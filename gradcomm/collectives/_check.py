@@ -10,9 +10,15 @@ The reduction is the transport's own bounded allreduce (:meth:`Transport.small_a
 e.g. one ``MPI_Iallreduce`` of 256 bytes) where the transport says that is cheap
 (``fast_native``), else a recursive doubling of point-to-point messages (tag
 ``TAG_CHECK``). Either way it waits with the transport's deadline, so a rank that never
-joins is a :class:`DeadlineError`, not a hang. The native form always reduces
-:data:`NATIVE_FIELDS` fields (missing ones zero, extra ones hashed into the last), so two
-ranks calling different collectives still reduce equal-sized buffers.
+joins is a :class:`DeadlineError`, not a hang. Both forms reduce :data:`NATIVE_FIELDS`
+fields (missing ones zero, extra ones hashed into the last), so two ranks calling
+different collectives (a dense and a compressed allreduce) still exchange equal-sized
+buffers and learn that they differ.
+
+Calls that skip the exchange (``check="first"`` after the first call) carry their
+signature in the data path instead: :func:`data_tag` gives the tag their messages use,
+one of :data:`SIGNED_TAGS` chosen by a hash of the arguments, so ranks that disagree post
+receives that the others' sends never match (a deadline, never mixed data).
 
 Example:
     >>> from gradcomm.comm import run_ranks
@@ -36,6 +42,9 @@ from ..ops import Reducer
 _MAX = Reducer("max", "int64")
 #: fields in the native form of the check (the collective's name counts as one)
 NATIVE_FIELDS = 16
+#: tags of the data messages of unchecked calls (:func:`data_tag`): above the library's
+#: subsystem tags and a program's usual ones, within MPI's guaranteed ``MPI_TAG_UB``
+SIGNED_TAGS = range(1 << 14, 1 << 15)
 #: distinct argument tuples whose packed codes each transport keeps (and, with them,
 #: whether that transport verified them, for ``once=True``)
 _CACHE_LIMIT = 1024
@@ -54,15 +63,15 @@ def _code(name: str, value: Any) -> int:
 class _Signature:
     """The packed form of one argument tuple, computed once and reused."""
 
-    __slots__ = ("names", "values", "p2p", "native", "native_names", "native_values",
-                 "p2p_bytes", "native_bytes", "verified")
+    __slots__ = ("names", "values", "native", "native_names", "native_values",
+                 "native_bytes", "verified", "tag")
 
     def __init__(self, collective: str, fields: dict[str, Any]) -> None:
         self.verified = False               # all ranks agreed on these arguments once
         self.names = ["collective", *fields]
         self.values: list[Any] = [collective, *fields.values()]
         codes = np.array([_code(n, v) for n, v in zip(self.names, self.values)], np.int64)
-        self.p2p = np.concatenate([codes, -codes])
+        self.tag = SIGNED_TAGS[zlib.crc32(codes.tobytes()) % len(SIGNED_TAGS)]
         k, m = NATIVE_FIELDS, len(codes)
         if m > k:                           # hash the tail into the last field
             tail = codes[k - 1:]
@@ -75,7 +84,7 @@ class _Signature:
             self.native_names = self.names + [f"argument {i}" for i in range(m, k)]
             self.native_values = self.values + [_ABSENT] * (k - m)
         self.native = np.concatenate([codes, -codes])
-        self.p2p_bytes, self.native_bytes = self.p2p.tobytes(), self.native.tobytes()
+        self.native_bytes = self.native.tobytes()
 
 
 _HASHED, _ABSENT = object(), object()
@@ -116,20 +125,17 @@ def agree(t: Transport, collective: str, *, once: bool = False,
     sig = _signature(t, collective, fields)
     if once and sig.verified:
         return None
-    native = t.fast_native
-    buf = (sig.native if native else sig.p2p).copy()
-    if native:
+    buf = sig.native.copy()
+    if t.fast_native:
         t.small_allreduce(buf, "max", "int64")
     else:
         recursive_doubling.allreduce(t, buf, _MAX, tag=TAG_CHECK)
-    if buf.tobytes() == (sig.native_bytes if native else sig.p2p_bytes):
+    if buf.tobytes() == sig.native_bytes:
         sig.verified = True                 # max(c) = c and max(-c) = -c: all equal
         return _AGREED
-    ref = sig.native if native else sig.p2p
-    k = len(ref) // 2
+    k = len(sig.native) // 2
     hi, lo = buf[:k], -buf[k:]
-    names, values = (sig.native_names, sig.native_values) if native else (sig.names,
-                                                                           sig.values)
+    names, values = sig.native_names, sig.native_values
     bad = [i for i in range(k) if hi[i] != lo[i]]
     if all(names[i] in negotiable for i in bad):
         return frozenset(names[i] for i in bad)
@@ -148,6 +154,22 @@ def agree(t: Transport, collective: str, *, once: bool = False,
             parts.append(f"{name} differs (this rank: {value!r})")
     raise MismatchError(f"rank {t.rank}: ranks called {collective} with different "
                         f"arguments: {'; '.join(parts)}")
+
+
+def data_tag(t: Transport, collective: str, **fields: Any) -> int:
+    """The tag of the data messages of a call with these arguments that skipped the
+    exchange: equal on ranks that passed equal arguments, and (but for a hash collision,
+    1 in ``len(SIGNED_TAGS)``) different otherwise, so that ranks that disagree wait for
+    messages that never come (a :class:`~gradcomm.errors.DeadlineError` on every rank)
+    instead of combining mismatched data.
+
+    Example:
+        >>> from gradcomm.comm import run_ranks
+        >>> a, b = run_ranks(2, lambda t: data_tag(t, "allreduce", count=4, op="sum"))
+        >>> a == b and a in SIGNED_TAGS
+        True
+    """
+    return _signature(t, collective, fields).tag
 
 
 def agree_args(t: Transport, collective: str, problem: Exception | None, /,

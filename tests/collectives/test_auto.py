@@ -225,8 +225,8 @@ def test_auto_follows_the_agreed_profile(alg: str, p: int) -> None:
     picks = {r[0] for r in res}
     assert picks == {alg}, picks
     assert all(r[1] == want for r in res)
-    if alg == "native":           # only the check travels point to point
-        assert all(r[2] == 2 * 2 * 5 * 8 for r in res)
+    if alg == "native":           # only the check travels point to point: 2 rounds of
+        assert all(r[2] == 2 * 2 * NATIVE_FIELDS * 8 for r in res)    # (codes, -codes)
 
 
 def test_profiles_are_ignored_when_measured_elsewhere(tmp_path, monkeypatch) -> None:

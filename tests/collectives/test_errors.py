@@ -131,3 +131,42 @@ def test_rank_that_never_joins(alg: str, check: bool) -> None:
         assert_all(errs[:2], DeadlineError, f"{wait:g} s")
         assert errs[2] is None
         assert elapsed < 10 * wait + 5, elapsed
+
+
+# -- check="first": a later disagreement is an error on every rank, never mixed data -----
+def _first_then(alg: str, change: str) -> Callable[[Any], Any]:
+    """Both calls checked once on every rank (so neither checks again), then rank 1
+    makes the other call while the rest repeat the first."""
+    def call(t: Any) -> None:
+        x = np.arange(1, 10, dtype=np.float32) * (t.rank + 1)
+        other = dict(op="max", x=x) if change == "op" else dict(op="sum", x=x.astype(np.int32))
+        gradcomm.allreduce(x, t, algorithm=alg, check="first")
+        gradcomm.allreduce(other["x"], t, op=other["op"], algorithm=alg, check="first")
+        if t.rank == 1:
+            gradcomm.allreduce(other["x"], t, op=other["op"], algorithm=alg, check="first")
+        else:
+            gradcomm.allreduce(x, t, algorithm=alg, check="first")
+    return call
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("change", ["op", "dtype"])
+@pytest.mark.parametrize("alg", DENSE + ("auto",))
+@pytest.mark.parametrize("p", [2, 3])
+def test_check_first_later_disagreement_is_an_error_on_every_rank(p: int, alg: str,
+                                                                   change: str) -> None:
+    """Unchecked calls carry their arguments in the data tag: ranks that disagree wait
+    for messages that never come (DeadlineError), instead of returning the sum on some
+    ranks and the max (or int32 garbage) on others; native checks every call."""
+    errs = outcomes(p, _first_then(alg, change), follow_up=False, wait_timeout=0.5)
+    kind = MismatchError if alg == "native" else DeadlineError
+    assert_all(errs, kind)
+
+
+@pytest.mark.timeout(60)
+def test_none_versus_codec_is_a_mismatch() -> None:
+    """A dense call on one rank and a compressed one on another exchange equal-sized
+    checks (a fixed field count) and learn that they differ, on every rank."""
+    errs = outcomes(3, lambda t: gradcomm.allreduce(
+        np.ones(5, np.float32), t, compressor="int8" if t.rank == 1 else None))
+    assert_all(errs, MismatchError, "collective differs")

@@ -8,8 +8,8 @@ payloads and decodes-adds-re-encodes at each hop. The operations:
 - ``partial_buffer(n, like, slot=0)``: a buffer to receive a peer's encoded *partial*
   segment of ``n`` elements (its size must follow from ``n`` alone: receivers post exact
   sizes). It may be reused scratch: the caller is done with it before asking for the same
-  ``slot`` again; pipelined algorithms (ring, tree) alternate ``slot`` 0 and 1, so two may
-  be live at once;
+  ``slot`` again; pipelined algorithms (ring, tree) cycle through as many slots as they
+  keep receives posted ahead, so several may be live at once;
 - ``encode(seg)``: the buffer to send for a partial segment;
 - ``reduce(recv, seg, recv_first)``: ``seg = decode(recv) (op) seg`` (the reverse order if
   not ``recv_first``); callers pass ``recv_first`` = "the peer is the lower rank", so
@@ -58,21 +58,27 @@ class Wire(Protocol):
 class DenseWire:
     """Raw values on the wire; reduction with a :class:`Reducer`.
 
-    ``partial_buffer`` hands out slices of one scratch allocation, grown on demand, so a
-    collective allocates once however many steps it takes (callers must be done with one
-    partial buffer before asking for the next, or ask for ``slot=1`` for a second one).
+    ``partial_buffer`` hands out one scratch allocation per ``slot``, grown on demand, so
+    a collective allocates once however many steps it takes (callers must be done with a
+    slot's buffer before asking for that slot again). ``scratch``: a dict that keeps
+    the host buffers from call to call (a transport's ``t.state.scratch``); a fresh
+    allocation costs several copies in page faults.
     """
 
     lossy = False
 
-    def __init__(self, red: Reducer) -> None:
+    def __init__(self, red: Reducer, scratch: dict[Any, Any] | None = None) -> None:
         self.red = red
-        self._scratch: list[Any] = [None, None]
+        self._kept = scratch             # host buffers only: device memory is not held
+        self._local: dict[Any, Any] = {}
 
     def partial_buffer(self, n: int, like: Any, slot: int = 0) -> Any:
-        s = self._scratch[slot]
+        host = isinstance(like, np.ndarray)
+        pool = self._kept if host and self._kept is not None else self._local
+        key = (slot, like.dtype.str) if host else slot
+        s = pool.get(key)
         if s is None or s.size < n or s.dtype != like.dtype:
-            s = self._scratch[slot] = np.empty_like(like, shape=max(n, 1))
+            s = pool[key] = np.empty_like(like, shape=max(n, 1))
         return s[:n]
 
     def encode(self, seg: Any) -> Any:

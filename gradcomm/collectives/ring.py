@@ -6,9 +6,12 @@
    segment r+1 reduced over all ranks.
 2. The allgather passes the finished segments around the same ring: rank r sends its own
    (``final``), then forwards each segment exactly as it arrived, p-1 steps in all.
-3. Segments travel in chunks of about ``chunk_bytes``. A chunk moves on as soon as it has
-   been reduced, and the receive of the next chunk is posted before the current one is
-   reduced, so transfers overlap reductions within and across steps.
+3. Segments travel in chunks of about ``chunk_bytes`` (by default the transport's choice:
+   512 KiB in process, a few chunks per segment where the transport may cross a network).
+   A chunk moves on as soon as it has been reduced, and the receives of the next chunks
+   are posted before the current one is reduced (as many as the transport's
+   ``window_bytes`` allow, at least one), so transfers overlap reductions within and
+   across steps, and a link never waits for a receive to be posted.
 
 Each segment is reduced along one path and then copied, so every rank holds the same bytes.
 Per rank: 2(p-1)/p·n bytes in 2(p-1) messages when p divides n and a segment fits in one
@@ -32,55 +35,74 @@ from __future__ import annotations
 from typing import Any
 
 from .. import arrays
-from ..comm.base import TAG_DATA, Request, Transport
+from ..comm.base import PIPELINE_CHUNK, TAG_DATA, Request, Transport
 from ..ops import Reducer
 from ._segments import ring_schedule
 from ._wire import DenseWire, Wire
 
-#: default pipeline chunk: large enough that per-message overhead is small, small enough
-#: that a reduction overlaps the next transfer
-CHUNK_BYTES = 512 * 1024
+#: the pipeline chunk of the in-process transport (and every transport's smallest)
+CHUNK_BYTES = PIPELINE_CHUNK
 
 
 def allreduce(t: Transport, buf: Any, red: Reducer, *, tag: int = TAG_DATA,
-              wire: Wire | None = None, chunk_bytes: int = CHUNK_BYTES) -> None:
+              wire: Wire | None = None, chunk_bytes: int | None = None) -> None:
     """Allreduce ``buf`` (flat, contiguous) in place across all ranks of ``t``.
 
-    ``chunk_bytes`` must be the same on every rank (it fixes the message sizes).
+    ``chunk_bytes`` must be the same on every rank (it fixes the message sizes); None
+    asks the transport (:meth:`~gradcomm.comm.Transport.chunk_bytes` of the segment).
     """
     p, rank, n = t.size, t.rank, arrays.size(buf)
     if p == 1 or n == 0:
         return
-    w = wire or DenseWire(red)
+    size = arrays.itemsize(buf)
+    if chunk_bytes is None:
+        chunk_bytes = t.chunk_bytes(-(-n // p) * size)
+    w = wire or DenseWire(red, t.state.scratch)
     right, left = (rank + 1) % p, (rank - 1) % p
     last = 2 * p - 3                        # steps 0..p-2 reduce, p-1..2p-3 gather
-    first, jobs = ring_schedule(n, p, rank, max(1, chunk_bytes // arrays.itemsize(buf)))
+    first, jobs = ring_schedule(n, p, rank, max(1, chunk_bytes // size))
+    # receives posted ahead of the one waited for: the transport's window, at least one
+    depth = 1 + max(1, t.window_bytes // max(1, chunk_bytes))
     sends: dict[int, list[Request]] = {0: [t.isend(w.encode(buf[lo:hi]), right, tag)
                                            for lo, hi in first]}
-
     done = 0                                # sends of steps < done have completed
 
-    def settle(upto: int) -> None:          # wait for the sends of steps < upto
+    def settle(upto: int, block: bool = True) -> bool:
+        """Wait for the sends of steps < upto (without ``block``: only if all of them
+        have completed already; False otherwise)."""
         nonlocal done
         while done < upto:
+            if not block and not all(r.test() for r in sends.get(done, ())):
+                return False
             t.waitall(sends.pop(done, []))
             done += 1
+        return True
 
-    def post(i: int) -> tuple[Request, Any]:
-        s, lo, hi = jobs[i]
-        if s < p - 1:
-            landing = w.partial_buffer(hi - lo, buf, slot=i % 2)
-        else:                               # lands in place: our reduce-scatter send
-            settle(s - p + 2)               # of this segment must have completed
-            landing = w.final_buffer(hi - lo, buf[lo:hi])
-        return t.irecv(landing, left, tag), landing
+    posted: dict[int, tuple[Request, Any]] = {}
+    nxt = 0                                 # next job whose receive is not posted yet
 
-    nxt = post(0) if jobs else None
+    def fill(cur: int) -> None:
+        """Post receives for jobs up to ``cur + depth - 1`` (job ``cur + 1`` always: the
+        double buffer), in schedule order; a finished segment lands in place, so its
+        receive waits for our reduce-scatter send of that region (ahead of need, only if
+        that send has completed already)."""
+        nonlocal nxt
+        while nxt < len(jobs) and nxt < cur + depth:
+            s, lo, hi = jobs[nxt]
+            if s < p - 1:
+                landing = w.partial_buffer(hi - lo, buf, slot=nxt % depth)
+            else:
+                need = s - p + 2            # our sends of steps < need must be complete
+                if nxt > cur + 1 and (need - 1 > jobs[cur][0] or not settle(need, False)):
+                    return                  # not issued yet, or still in flight
+                settle(need)
+                landing = w.final_buffer(hi - lo, buf[lo:hi])
+            posted[nxt] = (t.irecv(landing, left, tag), landing)
+            nxt += 1
+
     for i, (s, lo, hi) in enumerate(jobs):
-        assert nxt is not None
-        req, landing = nxt
-        if i + 1 < len(jobs):
-            nxt = post(i + 1)               # next receive in flight while we reduce
+        fill(i)                             # next receives in flight while we reduce
+        req, landing = posted.pop(i)
         settle(s)                           # bounds the sends in flight; no cycle: our
                                             # step s-1 sends need only step s-1 work
         t.waitall([req])

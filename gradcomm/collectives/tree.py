@@ -34,13 +34,13 @@ from __future__ import annotations
 from typing import Any
 
 from .. import arrays
-from ..comm.base import TAG_DATA, Request, Transport
+from ..comm.base import PIPELINE_CHUNK, TAG_DATA, Request, Transport
 from ..ops import Reducer
 from ._segments import chunks
 from ._wire import DenseWire, Wire
 
-#: default pipeline chunk (as ring's)
-CHUNK_BYTES = 512 * 1024
+#: the pipeline chunk of the in-process transport (as ring's)
+CHUNK_BYTES = PIPELINE_CHUNK
 
 
 def parent(rank: int) -> int | None:
@@ -59,15 +59,18 @@ def children(rank: int, size: int) -> list[int]:
 
 
 def allreduce(t: Transport, buf: Any, red: Reducer, *, tag: int = TAG_DATA,
-              wire: Wire | None = None, chunk_bytes: int = CHUNK_BYTES) -> None:
+              wire: Wire | None = None, chunk_bytes: int | None = None) -> None:
     """Allreduce ``buf`` (flat, contiguous) in place across all ranks of ``t``.
 
-    ``chunk_bytes`` must be the same on every rank (it fixes the message sizes).
+    ``chunk_bytes`` must be the same on every rank (it fixes the message sizes); None
+    asks the transport (:meth:`~gradcomm.comm.Transport.chunk_bytes` of the buffer).
     """
     p, rank, n = t.size, t.rank, arrays.size(buf)
     if p == 1 or n == 0:
         return
-    w = wire or DenseWire(red)
+    if chunk_bytes is None:
+        chunk_bytes = t.chunk_bytes(n * arrays.itemsize(buf))
+    w = wire or DenseWire(red, t.state.scratch)
     up, kids = parent(rank), children(rank, p)
     down = kids[::-1]                       # broadcast: largest subtree first
     pieces = chunks(0, n, max(1, chunk_bytes // arrays.itemsize(buf)))

@@ -40,6 +40,14 @@ TAG_GOSSIP = 5
 TAG_PROFILE = 6
 TAG_USER = 100
 
+#: the message size of pipelined collectives (ring, tree) on the in-process transport, and
+#: their smallest one anywhere: small enough that a reduction overlaps the next transfer
+PIPELINE_CHUNK = 512 * 1024
+#: what the MPI and torch transports use (they may run over a network): receives posted
+#: ahead, in bytes per peer, and the largest message of a pipelined dense collective
+NETWORK_WINDOW = 32 << 20
+NETWORK_MAX_CHUNK = 16 << 20
+
 
 class Request(Protocol):
     """A pending send or receive; ``test()`` is True once complete."""
@@ -88,6 +96,17 @@ class Transport(ABC):
     #: True where :meth:`native_allreduce` waits with the deadline (so ``auto`` may pick it
     #: for calls without the argument check); MPI's blocking MPI_Allreduce does not
     native_bounded: bool = False
+    #: bytes of receives a pipelined collective keeps posted ahead of the one it waits
+    #: for, per peer (at least one message: 0 = double buffering, the in-process
+    #: transport's memory-speed choice). Over a network, a receive posted late costs a
+    #: rendezvous round trip with the link idle; a deep window keeps it streaming.
+    #: Local to each rank (it never changes which bytes move).
+    window_bytes: int = 0
+    #: largest message :meth:`chunk_bytes` cuts a segment into
+    max_chunk_bytes: int = PIPELINE_CHUNK
+    #: messages per segment :meth:`chunk_bytes` aims at (enough for a reduction to overlap
+    #: the transfers, few enough that per-message costs stay small)
+    chunks_per_segment: int = 8
 
     def __init__(self, rank: int, size: int, timeout: float = DEFAULT_TIMEOUT) -> None:
         if timeout <= 0:
@@ -96,6 +115,22 @@ class Transport(ABC):
         self.stats = Stats()
         #: what the collectives keep for this transport from call to call
         self.state = TransportState()
+
+    def chunk_bytes(self, segment_bytes: int) -> int:
+        """The message size of a pipelined dense collective whose segments hold
+        ``segment_bytes``: :data:`PIPELINE_CHUNK`, or on a transport whose
+        :attr:`max_chunk_bytes` allows more, a ``chunks_per_segment``-th of the segment
+        up to that bound. A function of the size and the transport's class only, so every
+        rank derives the same message sizes; dense results never depend on it (each
+        element is reduced alone), and codec framing never asks it.
+
+        Example:
+            >>> from gradcomm.comm import run_ranks
+            >>> run_ranks(1, lambda t: t.chunk_bytes(50 << 20))[0] == PIPELINE_CHUNK
+            True
+        """
+        per = segment_bytes // max(1, self.chunks_per_segment)
+        return max(PIPELINE_CHUNK, min(self.max_chunk_bytes, per))
 
     # -- to implement -------------------------------------------------------------------
     @abstractmethod

@@ -34,7 +34,8 @@ from typing import Any, Sequence
 
 from .. import arrays
 from ..errors import ConfigError, DeadlineError, TransportError, UnsupportedError
-from .base import DEFAULT_TIMEOUT, SPIN_SECONDS, TAG_DATA, Request, Transport, poll
+from .base import (DEFAULT_TIMEOUT, NETWORK_MAX_CHUNK, NETWORK_WINDOW, SPIN_SECONDS, TAG_DATA,
+                   Request, Transport, poll)
 
 #: logical dtype -> MPI datatype attribute; 16-bit floats are absent on purpose: Open MPI
 #: rejects MPI_FLOAT16_T in reductions and mpi4py maps bfloat16 to a type MPI mis-sums
@@ -102,6 +103,11 @@ class MPITransport(Transport):
 
     name = "mpi"
     fast_native = True          # MPI_Allreduce of a few hundred bytes is one C call
+    # over TCP every message above the eager limit (64 KiB) waits for its receive to be
+    # posted and matched (a rendezvous): deep windows and large messages keep the link
+    # streaming (bench/RESULTS.md, issue 12); shared memory is indifferent to both
+    window_bytes = NETWORK_WINDOW
+    max_chunk_bytes = NETWORK_MAX_CHUNK
 
     def __init__(self, comm: Any, timeout: float = DEFAULT_TIMEOUT) -> None:
         from mpi4py import MPI

@@ -34,11 +34,13 @@ class TransportState:
         steps: call counters by name (:meth:`next_step`), for calls without a residual
             store: their step seeds the stochastic codecs.
         arena: the compressed allreduce's reusable buffers (set by that layer).
+        scratch: the dense collectives' reusable receive buffers, by slot
+            (:class:`~gradcomm.collectives._wire.DenseWire`).
         lock: guards ``arena`` (and what else a layer shares between threads).
     """
 
     __slots__ = ("signatures", "profile", "profile_agreed", "local_profile",
-                 "local_profile_set", "choices", "steps", "arena", "lock")
+                 "local_profile_set", "choices", "steps", "arena", "scratch", "lock")
 
     def __init__(self) -> None:
         self.signatures: dict[Any, Any] = {}
@@ -49,6 +51,7 @@ class TransportState:
         self.choices: dict[tuple[Any, ...], str] = {}
         self.steps: dict[str, int] = {}
         self.arena: Any = None
+        self.scratch: dict[Any, Any] = {}
         self.lock = threading.Lock()
 
     def step(self, counter: str) -> int:

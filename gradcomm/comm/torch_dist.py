@@ -36,7 +36,7 @@ from typing import Any, Sequence
 
 from .. import arrays
 from ..errors import ConfigError, DeadlineError, TransportError, UnsupportedError
-from .base import DEFAULT_TIMEOUT, Request, Transport
+from .base import DEFAULT_TIMEOUT, NETWORK_MAX_CHUNK, NETWORK_WINDOW, Request, Transport
 
 #: added to gradcomm's tags (all below TAG_USER) on the wire
 TAG_OFFSET = 0x67630000
@@ -76,6 +76,10 @@ class TorchTransport(Transport):
 
     name = "torch"
     native_bounded = True       # its native allreduce waits with the deadline
+    # gloo sends a message only once the peer's receive is posted (a round trip each):
+    # deep windows and large messages keep the link streaming
+    window_bytes = NETWORK_WINDOW
+    max_chunk_bytes = NETWORK_MAX_CHUNK
 
     def __init__(self, group: Any = None, timeout: float = DEFAULT_TIMEOUT) -> None:
         import torch

@@ -1,8 +1,11 @@
 """``python -m gradcomm.bench`` / ``gradcomm-bench``: the allreduce microbenchmark.
 
+The command line, where the ranks come from, and what rank 0 prints and writes; what to
+measure is decided by :mod:`gradcomm.bench.plan`.
+
 Example:
-    >>> parse_compressor("topk:ratio=0.01")
-    ('topk', (('ratio', 0.01),))
+    >>> build_parser().parse_args(["--sizes", "4K", "--link-rate", "1gbit"]).link_rate
+    '1gbit'
 """
 
 from __future__ import annotations
@@ -20,28 +23,9 @@ from typing import Any, Sequence
 from ..errors import ConfigError, GradcommError
 from . import launch, report
 from ._util import agree_status, parse_size, parse_sizes
-from .sweep import Baseline, Plan, Row, Variant, sweep
-
-_BASELINES = (launch.MPIBaseline.name, launch.TorchBaseline.name)
-
-
-def parse_compressor(text: str) -> tuple[str | None, tuple[tuple[str, Any], ...]]:
-    """'name[:key=value:...]' -> (name or None for dense, options)."""
-    name, *opts = text.strip().split(":")
-    options = []
-    for o in opts:
-        key, eq, raw = o.partition("=")
-        if not eq:
-            raise ConfigError(f"bad compressor option {o!r} in {text!r}: expected key=value")
-        value: Any = raw
-        for conv in (int, float):
-            try:
-                value = conv(raw)
-                break
-            except ValueError:
-                pass
-        options.append((key, value))
-    return (None if name in ("none", "dense", "") else name), tuple(options)
+from .plan import (available_algorithms, default_sizes, link_rate, make_plan,  # noqa: F401
+                   parse_compressor)
+from .sweep import Baseline, Plan, Row, sweep
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-baseline", action="store_true",
                    help="leave out the library's allreduce called directly "
                         "(MPI_Allreduce / dist.all_reduce)")
+    p.add_argument("--link-rate", metavar="RATE", default=None,
+                   help="the link's rate per direction (1gbit, 100mbit, 10g): adds the "
+                        "link(%%) column, wire bytes / (time x rate) (default: "
+                        "$GRADCOMM_NET_RATE, which bench/netns.py sets; else no column)")
     p.add_argument("--json", metavar="FILE", help="write rows, environment and summary")
     p.add_argument("--plot", metavar="FILE.png",
                    help="busbw and time vs size (needs matplotlib: gradcomm[bench])")
@@ -113,116 +101,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the profile to save (--calibrate) or use; default: $GRADCOMM_PROFILE "
                         "or ~/.cache/gradcomm/profile-<transport>-<ranks>.json")
     return p
-
-
-def default_sizes(lo: int, hi: int) -> list[int]:
-    """Powers of two from ``lo`` to ``hi`` (both rounded to a power of two)."""
-    if lo > hi:
-        raise ConfigError(f"--min-bytes {lo} exceeds --max-bytes {hi}")
-    sizes, s = [], 1
-    while s < lo:
-        s *= 2
-    while s <= hi:
-        sizes.append(s)
-        s *= 2
-    return sizes
-
-
-def available_algorithms() -> list[str]:
-    """Dense algorithms whose module imports in this checkout/installation."""
-    import importlib
-
-    from ..collectives import DENSE
-
-    out = []
-    for name in DENSE:
-        try:
-            importlib.import_module(f"gradcomm.collectives.{name}")
-        except ImportError:
-            continue
-        out.append(name)
-    return out
-
-
-def make_plan(args: argparse.Namespace, baseline: str | None) -> Plan:
-    """The variants and sizes to measure; ConfigError for unknown names."""
-    from .. import compressors
-    from .._dtypes import STORAGE
-    from ..collectives import DENSE
-    from ..ops import Reducer
-
-    if args.dtype not in STORAGE:
-        raise ConfigError(f"unknown dtype {args.dtype!r}; known: {', '.join(STORAGE)}")
-    Reducer(args.op, args.dtype)             # e.g. mean of integers: ConfigError now
-    if args.iters is None:
-        args.iters = 100
-    if min(args.iters, args.min_iters) < 1 or args.warmup < 0:
-        raise ConfigError("--iters and --min-iters must be >= 1 and --warmup >= 0")
-    if args.rounds < 1:
-        raise ConfigError("--rounds must be >= 1")
-    if args.calibrate:
-        if args.calibrate_iters < 1:
-            raise ConfigError("--calibrate-iters must be >= 1")
-        parse_size(args.calibrate_max)
-    elif args.profile:                        # every rank reads it: fail alike, before ranks meet
-        from ..collectives.costmodel import Profile
-
-        Profile.load(args.profile)
-    sizes = parse_sizes(args.sizes) if args.sizes else \
-        default_sizes(parse_size(args.min_bytes), parse_size(args.max_bytes))
-    have = available_algorithms()
-    if args.algorithms:
-        algos = [a.strip() for a in args.algorithms.split(",") if a.strip()]
-        for a in algos:
-            if a in _BASELINES:
-                continue
-            if a not in (*DENSE, "auto"):
-                raise ConfigError(f"unknown algorithm {a!r}; known: "
-                                  f"{', '.join((*DENSE, 'auto', *_BASELINES))}")
-            if a != "auto" and a not in have:
-                raise ConfigError(f"algorithm {a!r} is not available in this installation")
-    else:
-        algos = [a for a in have if a != "native"] + ["native"]
-    comps = [parse_compressor(c) for c in args.compressors.split(",") if c.strip()] or \
-        [(None, ())]
-    known = compressors.names()
-    for name, _ in comps:
-        if name is not None and name not in known:
-            raise ConfigError(f"unknown compressor {name!r}; known: {', '.join(known)}")
-    from ..error_feedback import contractive
-
-    if args.report_variant is None and any(n is None for n, _ in comps) and \
-            "auto" not in algos:
-        algos = [*algos, "auto"]          # the summary's row, named in advance
-    variants: list[Variant] = []
-    if baseline and not args.no_baseline:
-        variants.append(Variant(baseline, baseline=True))
-    for name, opts in comps:
-        for a in algos:
-            if a in _BASELINES:
-                if a == baseline and Variant(a, baseline=True) not in variants:
-                    variants.append(Variant(a, baseline=True))
-                continue
-            if name is not None and a == "native":
-                continue                      # the library's allreduce cannot compress
-            checks = (True, False) if args.no_check else (True,)
-            efs: tuple[bool, ...] = (False,)
-            if name is not None:
-                codec = compressors.get(name, **dict(opts))
-                can = codec.lossy and contractive(codec)
-                efs = {"both": (False, True) if can else (False,), "off": (False,),
-                       "only": (True,) if can else ()}[args.error_feedback]
-            variants.extend(Variant(a, name, c, opts, error_feedback=e)
-                            for e in efs for c in checks)
-    if not variants:
-        raise ConfigError("nothing to measure: no algorithm/compressor combination applies")
-    report_variant = args.report_variant or "auto"
-    if args.report_variant and report_variant not in {v.label for v in variants}:
-        raise ConfigError(f"--report-variant {report_variant!r} is not measured; measured: "
-                          f"{', '.join(v.label for v in variants)}")
-    return Plan(sizes=sizes, variants=variants, dtype=args.dtype, op=args.op,
-                iters=args.iters, warmup=args.warmup, min_iters=args.min_iters,
-                rounds=args.rounds)
 
 
 def environment(t: Any, launcher: str) -> dict[str, Any]:
@@ -277,7 +155,8 @@ def rank_main(t: Any, args: argparse.Namespace, plan: Plan, baseline: Baseline |
     env: dict[str, Any] = {}
     if t.rank == 0:
         env = environment(t, launcher)
-        printer = report.Printer(progress=args.progress)
+        printer = report.Printer(progress=args.progress, rate_bps=link_rate(args),
+                                 ranks=t.size)
         for line in _banner(env, plan):
             printer.line(line)
     profile = _profile(t, args, printer)
@@ -302,6 +181,11 @@ def _report(t: Any, args: argparse.Namespace, plan: Plan, baseline: Baseline | N
             rows: list[Row], env: dict[str, Any], profile: Any) -> int:
     """Rank 0: summary line, JSON, plot; the exit status."""
     report.add_compression_ratios(rows)
+    rate = link_rate(args)
+    if rate:
+        env["link_rate_bps"] = rate
+        for r in rows:
+            report.add_link_efficiency(r, rate, t.size)
     from ..collectives.auto import select
 
     base_op = "sum" if plan.op == "mean" else plan.op

@@ -28,6 +28,26 @@ COLUMNS: tuple[tuple[str, int, str], ...] = (
     ("algbw(GB/s)", 11, "algbw_gbs"), ("busbw(GB/s)", 11, "busbw_gbs"),
     ("wire(B/rank)", 12, "wire_bytes"), ("rel_err", 8, "rel_err"), ("#wrong", 6, "wrong"),
 )
+#: the column added when the link's rate is known (``extra["link_pct"]``)
+LINK_COLUMN = ("link(%)", 7, "link_pct")
+
+
+def add_link_efficiency(row: Row, rate_bps: float, ranks: int) -> None:
+    """``row.extra["link_pct"]``: the bytes one rank sent per call over what its link
+    carries in the call's mean time at ``rate_bps`` (per direction), in percent. Rows
+    without a byte count (the library's own allreduce) count the bandwidth-optimal
+    2(p-1)/p·size, as busbw does.
+
+    Example:
+        >>> r = Row(10**6, 250000, "float32", "sum", "ring", None, True, "ring",
+        ...         avg_us=16000.0, wire_bytes=10**6)
+        >>> add_link_efficiency(r, 1e9, 2); r.extra["link_pct"]
+        50.0
+    """
+    if row.note or not row.avg_us:
+        return
+    sent = row.wire_bytes if row.wire_bytes else 2 * (ranks - 1) / max(1, ranks) * row.size
+    row.extra["link_pct"] = sent * 8 / (row.avg_us * 1e-6 * rate_bps) * 100
 
 
 def _cell(attr: str, value: Any) -> str:
@@ -39,7 +59,7 @@ def _cell(attr: str, value: Any) -> str:
         return f"{value:.1f}"
     if attr.endswith("_gbs"):
         return f"{value:.2f}"
-    if attr == "spread_pct":
+    if attr in ("spread_pct", "link_pct"):
         return f"{value:.1f}"
     if attr == "wire_bytes":
         return f"{value:.0f}"
@@ -48,18 +68,22 @@ def _cell(attr: str, value: Any) -> str:
     return str(value)
 
 
-def header() -> str:
-    """The column header line (starts with '#', as nccl-tests')."""
-    return "#" + " ".join(f"{h:>{w}}" for h, w, _ in COLUMNS)[1:]
+def _columns(link: bool) -> tuple[tuple[str, int, str], ...]:
+    return COLUMNS + (LINK_COLUMN,) if link else COLUMNS
 
 
-def format_row(row: Row) -> str:
+def header(link: bool = False) -> str:
+    """The column header line (starts with '#', as nccl-tests'); ``link`` adds link(%)."""
+    return "#" + " ".join(f"{h:>{w}}" for h, w, _ in _columns(link))[1:]
+
+
+def format_row(row: Row, link: bool = False) -> str:
     """One row as a fixed-width line; an unsupported variant as a '#' comment."""
     if row.note:
         return f"# {row.size:>10} {row.label}: {row.note}"
     cells = []
-    for _, w, a in COLUMNS:
-        text = _cell(a, row.extra.get(a) if a == "pred_us" else getattr(row, a))
+    for _, w, a in _columns(link):
+        text = _cell(a, row.extra.get(a) if a in ("pred_us", "link_pct") else getattr(row, a))
         if a == "compressor" and row.compressor is not None:
             # with its options and error feedback, e.g. topk,ratio=0.01+ef
             text = "+".join(x for x in row.label.split("+")[1:] if x != "nocheck")
@@ -71,11 +95,14 @@ class Printer:
     """Prints rows on stdout as they come, with a progress indicator on stderr.
 
     The indicator is tqdm's bar when tqdm is installed, else a one-line counter; it is
-    only shown when ``progress`` is true (by default: stderr is a terminal).
+    only shown when ``progress`` is true (by default: stderr is a terminal). With the
+    link's ``rate_bps`` every row gets the link(%) column (``ranks``: the rank count).
     """
 
-    def __init__(self, out: TextIO | None = None, progress: bool | None = None) -> None:
+    def __init__(self, out: TextIO | None = None, progress: bool | None = None,
+                 rate_bps: float | None = None, ranks: int = 2) -> None:
         self.out = out if out is not None else sys.stdout
+        self.rate_bps, self.ranks = rate_bps, ranks
         self.progress = sys.stderr.isatty() if progress is None else progress
         self._bar: Any = None
         self._done = self._total = 0
@@ -89,7 +116,7 @@ class Printer:
 
     def begin(self, total: int) -> None:
         self._total, self._done = total, 0
-        self.line(header())
+        self.line(header(self.rate_bps is not None))
         if not self.progress or total < 2:
             return
         try:
@@ -110,7 +137,9 @@ class Printer:
 
     def row(self, row: Row) -> None:
         self._done += 1
-        self.line(format_row(row))
+        if self.rate_bps:
+            add_link_efficiency(row, self.rate_bps, self.ranks)
+        self.line(format_row(row, self.rate_bps is not None))
         if self._bar is not None:
             self._bar.update(1)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gradcomm.bench import cli, launch, report
+from gradcomm.bench import cli, launch, plan as plan_module, report
 from gradcomm.bench.cli import main
 from gradcomm.bench import sweep as sweep_module
 from gradcomm.bench.sweep import LARGE, Plan, Row, Variant, iterations, round_sizes, sweep
@@ -187,6 +187,40 @@ def test_sizes_algorithms_and_compressor_parsing():
     assert len(cli.default_sizes(4, 64 << 20)) == 25
     assert cli.parse_compressor("qsgd:bits=4:x=a") == ("qsgd", (("bits", 4), ("x", "a")))
     assert cli.parse_compressor("none") == (None, ())
+    assert plan_module.parse_rate("1gbit") == 10**9
+    assert plan_module.parse_rate("100mbit") == 10**8
+    with pytest.raises(ConfigError, match="link rate"):
+        plan_module.parse_rate("fast")
+
+
+def test_link_column_is_wire_bytes_over_time_and_rate(capsys, monkeypatch):
+    """--link-rate (or the harness's $GRADCOMM_NET_RATE) adds link(%): the bytes a rank
+    sent per call over what the link carries in the mean time; the row's own wire bytes,
+    and 2(p-1)/p of the size for a row without them (3 ranks: 4/3)."""
+    monkeypatch.delenv(plan_module.RATE_ENV, raising=False)
+    rc = main(["--transport", "threads", "--np", "3", "--sizes", "96K", "--algorithms",
+               "ring,native", "--iters", "2", "--warmup", "0", "--rounds", "1",
+               "--no-progress", "--link-rate", "1gbit"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    head = next(ln for ln in out.splitlines() if ln.startswith("#") and "size(B)" in ln)
+    assert head.split()[-1] == "link(%)"
+    rows = [ln.split() for ln in out.splitlines() if ln.strip().startswith("98304")]
+    cols = head[1:].split()
+    for cells in rows:
+        got = dict(zip(cols, cells))
+        wire = float(got["wire(B/rank)"]) if got["wire(B/rank)"] != "-" else 98304 * 4 / 3
+        want = wire * 8 / (float(got["avg(us)"]) * 1e-6 * 1e9) * 100
+        assert float(got["link(%)"]) == pytest.approx(want, rel=0.02, abs=0.15), got
+    assert len(rows) >= 2
+    monkeypatch.setenv(plan_module.RATE_ENV, "10000000000")
+    main(["--transport", "threads", "--np", "2", "--sizes", "4K", "--algorithms", "ring",
+          "--iters", "1", "--warmup", "0", "--rounds", "1", "--no-progress"])
+    assert "link(%)" in capsys.readouterr().out
+    monkeypatch.delenv(plan_module.RATE_ENV)
+    main(["--transport", "threads", "--np", "2", "--sizes", "4K", "--algorithms", "ring",
+          "--iters", "1", "--warmup", "0", "--rounds", "1", "--no-progress"])
+    assert "link(%)" not in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -196,6 +230,7 @@ def test_sizes_algorithms_and_compressor_parsing():
     (["--min-bytes", "1M", "--max-bytes", "1K"], "exceeds"),
     (["--iters", "0"], "--iters"),
     (["--dtype", "int32", "--op", "mean"], "needs a floating dtype"),
+    (["--link-rate", "fast"], "link rate"),
 ])
 def test_bad_arguments_are_clear_errors(argv, message, capsys):
     assert main(["--transport", "threads", *argv]) == 2

@@ -33,7 +33,9 @@ import numpy as np
 from . import arrays, compressors
 from ._dtypes import FLOATS
 from .collectives import ALGORITHMS, DENSE, dense_allreduce
-from .compressed import COMPRESSED_ALGORITHMS, GATHER_ALGORITHMS, compressed_allreduce
+from .compressed import GATHER_ALGORITHMS, compressed_allreduce
+from .compressed._args import check_algorithm as check_codec_algorithm
+from .compressors.powersgd import PowerSGD
 from .error_feedback import ResidualStore
 from .errors import ConfigError
 
@@ -92,26 +94,30 @@ class Reduction:
     def configure(cls, *, op: str = "sum", algorithm: str = "auto", compressor: Any = None,
                   options: Mapping[str, Any] | None = None, seed: int | None = None,
                   check: bool | str = True, exact_fallback: bool = False,
-                  check_algorithm: bool = False) -> Reduction:
+                  check_algorithm: bool = False, lossless_dense: bool = False) -> Reduction:
         """A validated Reduction whose compressor is resolved to a codec instance
         (ConfigError / KeyError now, on this rank, rather than at the first call).
 
         ``seed`` (when given) must be an int in 0..2**63-1; ``check_algorithm``: the
-        algorithm must be one that carries the codec (or, without one, a dense one).
+        algorithm must be one that carries the codec (the compressed allreduce's own
+        check, :func:`~gradcomm.compressed._args.check_algorithm`: the same words), or,
+        without one, a dense one. ``lossless_dense``: a lossless codec is reduced by the
+        dense algorithms (the DDP hook), so any dense algorithm carries it.
         """
         options = dict(options or {})
         check_options(compressor, options)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or
                                  not 0 <= seed < 2 ** 63):
             raise ConfigError(f"seed must be an integer in 0..2**63-1, got {seed!r}")
-        if check_algorithm and compressor is None and (
-                algorithm not in ALGORITHMS or algorithm == "sparse_allgather"):
-            raise ConfigError(f"unknown algorithm {algorithm!r}; known: "
-                              f"{', '.join(a for a in ALGORITHMS if a != 'sparse_allgather')}")
         codec = None if compressor is None else compressors.get(compressor, **options)
-        if check_algorithm and codec is not None and algorithm not in COMPRESSED_ALGORITHMS:
-            raise ConfigError(f"unknown algorithm {algorithm!r} with a compressor; known: "
-                              f"{', '.join(COMPRESSED_ALGORITHMS)}")
+        if check_algorithm:
+            if codec is None or (lossless_dense and not codec.lossy):
+                if algorithm not in ALGORITHMS or algorithm == "sparse_allgather":
+                    known = ", ".join(a for a in ALGORITHMS if a != "sparse_allgather")
+                    raise ConfigError(f"unknown algorithm {algorithm!r}; known: {known}")
+            else:
+                check_codec_algorithm(algorithm, codec.name,
+                                      dense_rounds=isinstance(codec, PowerSGD))
         return cls(op, algorithm, codec, {}, seed, check, exact_fallback)
 
     def compresses(self, dtype: str, op: str | None = None) -> bool:

@@ -11,8 +11,9 @@ warm-start ``Q`` under ``"<key>#q"``), checkpointed with the residuals.
 
 :class:`ResidualStore` is what the compressed collectives ask of such an object (steps,
 the key's residual, per-hop residuals with their location, codec state, the tensors a
-buffer is made of). :class:`ErrorFeedback` implements it; so does the DDP hook's store of
-per-parameter residuals (:mod:`gradcomm.integrations.ddp.residuals`).
+buffer is made of). :class:`ErrorFeedback` implements it, and :class:`KeyedResiduals` for
+owners that keep their own books (the DDP hook indexes one by parameter name:
+:mod:`gradcomm.integrations.ddp.residuals`).
 
 Everything is held as plain numpy arrays and ints, so :meth:`ErrorFeedback.state_dict`
 saves with ``numpy.savez`` (no pickle) or ``torch.save`` (load it with
@@ -282,6 +283,86 @@ class ErrorFeedback:
                 f"keys={len(self._steps)})")
 
 
+class KeyedResiduals(ErrorFeedback):
+    """A :class:`ResidualStore` for an owner that keeps the books (the DDP hook's units).
+
+    A key's residual is kept in pieces, one named residual per tensor the key is made of
+    (:meth:`set_parts`): the owner adds the pieces to the buffer before the reduction and
+    zeroes them, so :meth:`compensate` has nothing to add, and :meth:`update` cuts
+    ``x - decoded`` back into the pieces. Hop residuals are named residuals too, with the
+    offset where each lies in its key's buffer recorded (:attr:`offsets`); steps follow
+    the owner's :attr:`clock` (the same on every rank). The owner checkpoints what it
+    needs (this class adds nothing to :meth:`state_dict`).
+
+    Example:
+        >>> import numpy as np
+        >>> store = KeyedResiduals()
+        >>> store.clock = 4
+        >>> store.set_parts("u", [("w", 2, None), ("b", 1, None)])
+        >>> x = np.ones(3, np.float32)
+        >>> store.update("u", x, np.float32([1, 0, 1])); store.step("u")
+        4
+        >>> store.residual("w", 2, np.float32).tolist(), store.residual("b", 1, np.float32)
+        ([0.0, 1.0], array([0.], dtype=float32))
+        >>> store.hop_residual("u#e0", 2, 1, np.float32).size, store.offsets
+        (1, {'u#e0': 2})
+    """
+
+    def __init__(self, enabled: bool = True) -> None:
+        super().__init__(enabled)
+        self.clock = 0
+        self.offsets: dict[str, int] = {}
+        self._parts: dict[str, list[tuple[str, int, Any]]] = {}
+        self._pieces: dict[str, list[tuple[str, int, int]]] = {}
+
+    def set_parts(self, key: str, parts: Sequence[tuple[str, int, Any]] | None) -> None:
+        """``key``'s buffer is made of ``parts``: ``(name, elements, shape or None)`` in
+        order, each with its own named residual (None: forget the key's parts)."""
+        if parts is None:
+            self._parts.pop(key, None)
+            self._pieces.pop(key, None)
+            return
+        self._parts[key] = [(str(k), int(n), s) for k, n, s in parts]
+        pieces, a = [], 0
+        for k, n, _ in self._parts[key]:
+            pieces.append((k, a, a + n))
+            a += n
+        self._pieces[key] = pieces
+
+    def step(self, key: str) -> int:
+        """The owner's clock."""
+        return self.clock
+
+    def advance(self, key: str) -> None:
+        """Nothing to count: the step is the owner's clock."""
+
+    def flat_residual(self, key: str, n: int, dtype: Any, like: Any = None) -> None:
+        """None: a key's residual is kept in pieces."""
+        return None
+
+    def compensate(self, key: str, x: Any) -> Any:
+        """``x`` as it is: the owner added the pieces before the reduction."""
+        return x
+
+    def update(self, key: str, x: Any, decoded: Any) -> None:
+        """Each piece of ``key`` keeps its slice of ``x - decoded``."""
+        if self.enabled:
+            dtype = arrays.dtype_name(x)
+            for name, a, b in self._pieces[key]:
+                arrays.subtract(x[a:b], decoded[a:b],
+                                held_residual(self._residuals, name, b - a, dtype, x))
+
+    def hop_residual(self, name: str, offset: int, n: int, dtype: Any,
+                     like: Any = None) -> Any:
+        """The hop's residual; ``offset`` is recorded (:attr:`offsets`)."""
+        self.offsets[name] = int(offset)
+        return held_residual(self._residuals, name, n, dtype, like)
+
+    def parts(self, key: str) -> list[tuple[str, int, Any]] | None:
+        """The parts :meth:`set_parts` gave ``key``, or None."""
+        return self._parts.get(key)
+
+
 def held_residual(table: dict[str, Any], name: str, n: int, dtype: Any, like: Any) -> Any:
     """``table[name]`` as a flat array of ``n`` elements of ``dtype`` where ``like`` lives
     (None: numpy); see :meth:`ErrorFeedback.residual`, which keeps its residuals this way.
@@ -357,5 +438,5 @@ def torch_safe_globals() -> list[Any]:
     return [_reconstruct, np.ndarray, np.dtype, *dtypes]
 
 
-__all__ = ["ErrorFeedback", "ErrorFeedbackWarning", "ResidualResetWarning", "ResidualStore",
-           "STATE_VERSION", "checked_extra", "contractive", "held_residual", "torch_safe_globals"]
+__all__ = ["ErrorFeedback", "ErrorFeedbackWarning", "KeyedResiduals", "ResidualResetWarning",
+           "ResidualStore", "STATE_VERSION", "checked_extra", "contractive", "held_residual", "torch_safe_globals"]

@@ -9,7 +9,7 @@ import pytest
 from gradcomm._plan import Reduction
 from gradcomm.comm import run_ranks
 from gradcomm.compressors.base import Compressor
-from gradcomm.errors import ConfigError
+from gradcomm.errors import ConfigError, UnsupportedError
 
 
 def test_configure_validates_and_resolves_the_codec() -> None:
@@ -22,8 +22,13 @@ def test_configure_validates_and_resolves_the_codec() -> None:
         Reduction.configure(compressor="fp16", seed=-1)
     with pytest.raises(KeyError, match="known"):
         Reduction.configure(compressor="no-such-codec")
-    with pytest.raises(ConfigError, match="with a compressor"):
+    with pytest.raises(UnsupportedError, match="cannot carry 'fp16'"):   # the collective's words
         Reduction.configure(compressor="fp16", algorithm="native", check_algorithm=True)
+    with pytest.raises(ConfigError, match="with a compressor use one of"):
+        Reduction.configure(compressor="fp16", algorithm="bogus", check_algorithm=True)
+    Reduction.configure(compressor="powersgd", algorithm="native", check_algorithm=True)
+    Reduction.configure(compressor="none", algorithm="native", check_algorithm=True,
+                        lossless_dense=True)                     # the DDP hook: dense
     with pytest.raises(ConfigError, match="unknown algorithm 'allgather'"):
         Reduction.configure(algorithm="allgather", check_algorithm=True)
     Reduction.configure(compressor="fp16", algorithm="native")      # checked per call

@@ -54,8 +54,9 @@ def check_algorithm(algorithm: str, name: str, *, dense_rounds: bool = False) ->
     if algorithm not in COMPRESSED_ALGORITHMS:
         if algorithm == "native":
             raise UnsupportedError(
-                f"algorithm='native' cannot carry {name!r} payloads; with a compressor "
-                f"use one of {', '.join(COMPRESSED_ALGORITHMS)}")
+                f"algorithm='native' cannot carry {name!r} payloads (only codecs whose "
+                "rounds are dense sums can: powersgd); with this compressor use one of "
+                f"{', '.join(COMPRESSED_ALGORITHMS)}")
         raise ConfigError(f"unknown algorithm {algorithm!r}; with a compressor use one "
                           f"of {', '.join(COMPRESSED_ALGORITHMS)}")
 

@@ -71,7 +71,7 @@ def test_residual_store_on_tensors_gives_the_bytes_of_numpy():
         unit = r.open(["a", "b"], [3, 4], x, 0)             # adds a's residual, resets it
         assert arrays.kind(r._residuals["a"]) == kind and not arrays.host(
             r._residuals["a"]).any()
-        unit.update(unit.key, x, dec)                       # e = x - decoded, per parameter
+        r.store.update(unit, x, dec)                        # e = x - decoded, per parameter
         assert {arrays.kind(r._residuals[k]) for k in "ab"} == {kind}
         after_update = _host(r._residuals)
         r.units["u"] = (["a", "b"], [3, 4])
@@ -93,7 +93,7 @@ def test_residuals_loaded_on_the_host_move_to_the_bucket_and_back():
     x = torch.tensor([10.0, 20.0, 30.0])
     unit = r.open(["a", "c"], [2, 1], x, 0)
     assert x.tolist() == [11.0, 22.0, 30.0] and isinstance(r._residuals["a"], torch.Tensor)
-    unit.update(unit.key, x, torch.tensor([11.0, 21.0, 30.0]))
+    r.store.update(unit, x, torch.tensor([11.0, 21.0, 30.0]))
     assert r.local_state()[0]["residuals"]["a"].tolist() == [0.0, 1.0]
     copy = r.copy()
     copy._residuals["a"] += 1                               # never aliased

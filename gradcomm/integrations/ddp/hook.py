@@ -25,14 +25,14 @@ import weakref
 from typing import Any, Callable, Mapping, Sequence
 
 from ... import arrays
-from ...collectives import ALGORITHMS
+from ..._plan import Reduction
 from ...comm.base import Transport
-from ...errors import ConfigError, GradcommError, UnsupportedError
+from ...errors import ConfigError, GradcommError
 from . import checkpoint
 from .groups import resolve_transports
 from .replay import Replay
 from .residuals import ParameterResiduals
-from .routes import Routes, codec_algorithms
+from .routes import Routes
 from .worker import Worker
 
 
@@ -56,29 +56,19 @@ class CommHookState:
                  error_feedback: bool = True, process_group: Any = None,
                  transport: Any = None, start_iter: int = 0, model: Any = None,
                  seed: int = 0, timeout: float | None = None, **options: Any) -> None:
-        from ... import compressors
-
         if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
             raise ConfigError(f"start_iter must be an int >= 0, got {start_iter!r}")
-        if compressor is None and options:
-            raise ConfigError(f"unknown options {sorted(options)} (compressor options need "
-                              "a compressor)")
-        self.compressor = None if compressor is None else compressors.get(compressor, **options)
-        lossy = self.compressor is not None and self.compressor.lossy
-        known = codec_algorithms(self.compressor) if lossy else ALGORITHMS
-        if algorithm not in known:
-            if algorithm == "native" and lossy:
-                raise UnsupportedError(f"algorithm='native' cannot carry {self.compressor.name!r}"
-                                       " payloads (only codecs whose rounds are dense sums "
-                                       "can: powersgd); with this compressor use one of "
-                                       f"{', '.join(known)}")
-            raise ConfigError(f"unknown algorithm {algorithm!r}; known: {', '.join(known)}")
-        self.algorithm, self.start_iter, self.seed = algorithm, start_iter, int(seed)
+        #: the validated configuration (the same checks and words as Allreduce and wrap)
+        self.reduction = Reduction.configure(
+            algorithm=algorithm, compressor=compressor, options=options, seed=seed,
+            check_algorithm=True, lossless_dense=True)
+        self.compressor = self.reduction.compressor
+        self.algorithm, self.start_iter = algorithm, start_iter
+        self.seed = int(self.reduction.seed or 0)
         self.error_feedback = bool(error_feedback)
         messages, library = resolve_transports(transport, process_group, timeout)
         self.residuals = ParameterResiduals(self.error_feedback)
-        self.routes = Routes(messages, library, self.compressor, algorithm, self.seed,
-                             self.residuals)
+        self.routes = Routes(messages, library, self.reduction, self.residuals)
         self.iter = 0
         self._names: dict[int, str] | None = None
         self._position: dict[int, str] = {}
@@ -158,6 +148,12 @@ class CommHookState:
     def close(self) -> None:
         """Stop the worker thread (after the queued buckets). Idempotent."""
         self._worker.close()
+
+    def __enter__(self) -> CommHookState:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     # -- one bucket ----------------------------------------------------------------------
     def _bucket(self, buf: Any, keys: list[str], lengths: list[int], last: bool,

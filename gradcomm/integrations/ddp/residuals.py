@@ -1,26 +1,28 @@
 """The DDP hook's error-feedback state: residuals per parameter name, per-hop residuals.
 
-:class:`ParameterResiduals` keeps every parameter's residual, the hop residuals of the
-*units* (the parameters reduced together) and codec state; :meth:`ParameterResiduals.open`
-hands ``compressed_allreduce`` a :class:`UnitResiduals`, the
-:class:`~gradcomm.error_feedback.ResidualStore` of one unit's reduction. When a unit is not
-reduced again (bucket rebuild, another ``bucket_cap_mb``, another rank count) its hop
-residuals are folded into the residuals of the parameters they cover, a replicated hop
-residual counted once (:func:`count_copies`); :func:`redistribute` moves a checkpoint's
-residuals to another rank count. No error mass is dropped.
+:class:`ParameterResiduals` keeps every residual in one
+:class:`~gradcomm.error_feedback.KeyedResiduals` store, indexed by parameter name: the hook
+reduces *units* (the parameters reduced together); :meth:`ParameterResiduals.open` adds
+the parameters' residuals to the unit's buffer and tells the store which parameters the
+unit is made of, so the collective uses that store alone and never calls back here. When a unit is not reduced again (bucket rebuild, another
+``bucket_cap_mb``, another rank count) its hop residuals are folded into the residuals of
+the parameters they cover, a replicated hop residual counted once (:func:`count_copies`);
+:func:`redistribute` moves a checkpoint's residuals to another rank count. No error mass
+is dropped.
 
 Example:
     >>> import numpy as np
-    >>> store = ParameterResiduals(True)
+    >>> res = ParameterResiduals(True)
     >>> x = np.ones(5, np.float32)
-    >>> unit = store.open(["w", "b"], [3, 2], x, step=0)
-    >>> unit.update(unit.key, x, np.float32([1, 0, 1, 1, 0.5]))   # what the codec kept
-    >>> store.residual("w", 3, np.float32).tolist(), store.residual("b", 2, np.float32).tolist()
+    >>> unit = res.open(["w", "b"], [3, 2], x, step=0)
+    >>> res.store.update(unit, x, np.float32([1, 0, 1, 1, 0.5]))   # the collective's call
+    >>> res.residual("w", 3, np.float32).tolist(), res.residual("b", 2, np.float32).tolist()
     ([0.0, 1.0, 0.0], [0.0, 0.5])
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import warnings
 from typing import Any, Iterator, Mapping, Sequence
@@ -30,34 +32,67 @@ import numpy as np
 
 from ... import arrays
 from ...comm.base import Transport
-from ...error_feedback import HOP_SEP, checked_extra, held_residual
+from ...error_feedback import HOP_SEP, KeyedResiduals, checked_extra, held_residual
 from ...errors import ConfigError
+
+
+def unit_key(keys: Sequence[str]) -> str:
+    """The name of the unit of parameters ``keys`` (the same on every rank)."""
+    return "unit:" + hashlib.sha1("|".join(keys).encode()).hexdigest()[:16]
 
 
 class ParameterResiduals:
     """Residuals by parameter name, the per-hop residuals of the units reduced, codec state.
 
-    The hook reduces *units* (the parameters reduced together). :meth:`open` adds each
-    parameter's residual to its slice of the unit's flat buffer and returns the unit's
-    :class:`UnitResiduals`, the :class:`~gradcomm.error_feedback.ResidualStore` handed to
-    ``compressed_allreduce``: its ``update`` cuts ``x - decoded`` back into per-parameter
-    residuals, and collectives that re-compress per hop keep ``"<unit>#<hop>"`` residuals
-    here with the offset where each lies in its unit, so that when the unit disappears
-    (bucket rebuild, another rank count) its hop residuals are folded into the
-    parameters' residuals, losing nothing. Stateful codecs keep per-parameter *extra*
-    state here too (PowerSGD's warm-start ``"<name>#q"``, the same bytes on every rank),
-    checkpointed with the residuals. ``shapes`` maps parameter names to their shapes (the
-    hook records them), so that PowerSGD views each parameter as PyTorch's hook does.
+    Everything lives in :attr:`store` (a :class:`~gradcomm.error_feedback.KeyedResiduals`,
+    the :class:`~gradcomm.error_feedback.ResidualStore` handed to ``compressed_allreduce``);
+    this class indexes it. :meth:`open` adds each parameter's residual to its slice of the
+    unit's flat buffer and names the unit's parts in the store, whose ``update`` cuts
+    ``x - decoded`` back into per-parameter residuals; collectives that re-compress per
+    hop keep ``"<unit>#<hop>"`` residuals there with the offset where each lies in its
+    unit, so that when the unit disappears (bucket rebuild, another rank count) its hop
+    residuals are folded into the parameters' residuals, losing nothing. Stateful codecs
+    keep per-parameter *extra* state there too (PowerSGD's warm-start ``"<name>#q"``, the
+    same bytes on every rank), checkpointed with the residuals. ``shapes`` maps parameter
+    names to their shapes (the hook records them), so that PowerSGD views each parameter
+    as PyTorch's hook does.
     """
 
     def __init__(self, enabled: bool) -> None:
-        self.enabled = bool(enabled)
-        self._residuals: dict[str, Any] = {}
-        self._extras: dict[str, np.ndarray] = {}
+        self.store = KeyedResiduals(bool(enabled))
         self.units: dict[str, tuple[list[str], list[int]]] = {}
-        self.offsets: dict[str, int] = {}
         self.shapes: dict[str, tuple[int, ...] | None] = {}
         self._used: set[str] = set()
+
+    @property
+    def enabled(self) -> bool:
+        return self.store.enabled
+
+    @property
+    def _residuals(self) -> dict[str, Any]:
+        """Parameters' and hops' residuals by name (the store's table)."""
+        return self.store._residuals
+
+    @_residuals.setter
+    def _residuals(self, table: dict[str, Any]) -> None:
+        self.store._residuals = table
+
+    @property
+    def _extras(self) -> dict[str, np.ndarray]:
+        return self.store._extras
+
+    @_extras.setter
+    def _extras(self, table: dict[str, np.ndarray]) -> None:
+        self.store._extras = table
+
+    @property
+    def offsets(self) -> dict[str, int]:
+        """Where each hop residual starts in its unit's buffer."""
+        return self.store.offsets
+
+    @offsets.setter
+    def offsets(self, table: dict[str, int]) -> None:
+        self.store.offsets = table
 
     def residual(self, name: str, n: int, dtype: Any, like: Any = None) -> Any:
         """The residual ``name`` (a parameter, or a hop of a unit) as a flat array of ``n``
@@ -81,30 +116,33 @@ class ParameterResiduals:
         """Names of the stored codec state arrays."""
         return iter(sorted(self._extras))
 
-    def open(self, keys: list[str], lengths: list[int], x: Any,
-             step: int) -> UnitResiduals:
+    def open(self, keys: list[str], lengths: list[int], x: Any, step: int,
+             unit: str | None = None) -> str:
         """Add each parameter's residual to its slice of flat ``x`` (any array kind; a
-        residual held elsewhere, e.g. loaded on the host, moves to ``x``'s device); the
-        unit's residual store for this reduction, at the hook's iteration ``step``."""
-        import hashlib
-
-        unit = "unit:" + hashlib.sha1("|".join(keys).encode()).hexdigest()[:16]
+        residual held elsewhere, e.g. loaded on the host, moves to ``x``'s device) and zero
+        it; make :attr:`store` the unit's residual store for this reduction, at the hook's
+        iteration ``step``. Returns the unit's key (``unit``, if the caller knows it)."""
+        unit = unit_key(keys) if unit is None else unit
         self.units[unit] = (list(keys), list(lengths))
         self._used.add(unit)
-        segments = []
-        a, dtype = 0, arrays.dtype_name(x)
-        for name, n in zip(keys, lengths):
-            segments.append((name, a, a + n))
-            e = self._residuals.get(name) if self.enabled else None
-            if e is not None:
-                if tuple(e.shape) == (n,) and arrays.dtype_name(e) == dtype:
-                    e = self.residual(name, n, dtype, like=x)    # where x is
-                    x[a:a + n] += e
-                    arrays.assign(e, 0.0)
-                else:
-                    self.residual(name, n, dtype, like=x)       # warns and resets
-            a += n
-        return UnitResiduals(self, unit, segments, step)
+        store = self.store
+        store.clock = int(step)
+        if store.parts(unit) is None:
+            store.set_parts(unit, [(k, n, self.shapes.get(k)) for k, n in zip(keys, lengths)])
+        if self.enabled:
+            table = self._residuals
+            a, dtype = 0, arrays.dtype_name(x)
+            for name, n in zip(keys, lengths):
+                e = table.get(name)
+                if e is not None:
+                    if tuple(e.shape) == (n,) and arrays.dtype_name(e) == dtype:
+                        e = self.residual(name, n, dtype, like=x)    # where x is
+                        x[a:a + n] += e
+                        arrays.assign(e, 0.0)
+                    else:
+                        self.residual(name, n, dtype, like=x)       # warns and resets
+                a += n
+        return unit
 
     def fold_unused(self, t: Transport | None = None) -> None:
         """Fold the hop residuals of units not reduced since the last call.
@@ -148,6 +186,7 @@ class ParameterResiduals:
         across the ranks, into its parameters' residuals (which move to the hop
         residual's device if they are elsewhere)."""
         names, lengths = self.units.pop(unit)
+        self.store.set_parts(unit, None)
         starts = [0, *itertools.accumulate(int(n) for n in lengths)]
         prefix = unit + HOP_SEP
         for hop in [h for h in self._residuals if h.startswith(prefix)]:
@@ -178,6 +217,8 @@ class ParameterResiduals:
 
     def restore(self, other: ParameterResiduals) -> None:
         """Take ``other``'s residuals, extra state, units and offsets (not its shapes)."""
+        for unit in self.units:
+            self.store.set_parts(unit, None)
         self._residuals, self.units, self.offsets = other._residuals, other.units, other.offsets
         self._extras = other._extras
         self._used = set(self.units)     # the replayed first iteration uses them again
@@ -191,66 +232,6 @@ class ParameterResiduals:
         out.offsets = dict(self.offsets)
         out.shapes = dict(self.shapes)
         return out
-
-
-class UnitResiduals:
-    """One unit's reduction as a :class:`~gradcomm.error_feedback.ResidualStore`.
-
-    ``key`` names the unit. Its residual is kept in pieces, one per parameter: the hook
-    added them to the buffer when it opened the unit (:meth:`ParameterResiduals.open`), so
-    :meth:`compensate` has nothing left to add, and :meth:`update` cuts ``x - decoded``
-    back into the parameters' residuals. Hop residuals are kept with their offset in the
-    unit. The step is the hook's iteration, identical on every rank; the hook advances it.
-    """
-
-    def __init__(self, store: ParameterResiduals, key: str,
-                 segments: list[tuple[str, int, int]], step: int) -> None:
-        self.store, self.key, self.segments, self._step = store, key, segments, int(step)
-
-    @property
-    def enabled(self) -> bool:
-        return self.store.enabled
-
-    def step(self, key: str) -> int:
-        return self._step
-
-    def advance(self, key: str) -> None:
-        """Nothing to count: the step is the hook's iteration."""
-
-    def flat_residual(self, key: str, n: int, dtype: Any, like: Any = None) -> None:
-        """None: the unit's residual is kept per parameter."""
-        return None
-
-    def compensate(self, key: str, x: Any) -> Any:
-        """``x`` as it is: the parameters' residuals were added when the unit was opened."""
-        return x
-
-    def update(self, key: str, x: Any, decoded: Any) -> None:
-        if self.store.enabled:
-            dtype = arrays.dtype_name(x)
-            for name, a, b in self.segments:
-                arrays.subtract(x[a:b], decoded[a:b],
-                                self.store.residual(name, b - a, dtype, like=x))
-
-    def hop_residual(self, name: str, offset: int, n: int, dtype: Any,
-                     like: Any = None) -> Any:
-        """The hop's residual; ``offset`` is recorded, to fold it into the parameters."""
-        self.store.offsets[name] = int(offset)
-        return self.store.residual(name, n, dtype, like=like)
-
-    def extra(self, name: str) -> np.ndarray | None:
-        return self.store.extra(name)
-
-    def set_extra(self, name: str, value: np.ndarray) -> None:
-        self.store.set_extra(name, value)
-
-    def parts(self, key: str) -> list[tuple[str, int, Any]] | None:
-        """The unit's parameters: names, sizes and the shapes the hook recorded."""
-        entry = self.store.units.get(key)
-        if entry is None:
-            return None
-        return [(name, int(n), self.store.shapes.get(name)) for name, n in zip(*entry)]
-
 
 
 def count_copies(every: list[Mapping[str, list[int]]]) -> list[dict[str, int]]:
@@ -296,4 +277,4 @@ def redistribute(saved: list[ParameterResiduals], p_new: int, rank: int) -> Para
     return out
 
 
-__all__ = ["ParameterResiduals", "UnitResiduals", "count_copies", "redistribute"]
+__all__ = ["ParameterResiduals", "count_copies", "redistribute", "unit_key"]

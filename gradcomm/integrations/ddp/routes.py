@@ -13,15 +13,19 @@
    Uncompressed, ``"auto"`` means the library's own allreduce (what DDP runs) unless it
    cannot reduce the dtype (16-bit floats under MPI).
 
-A compressed unit is reduced in float32 (float64 for float64 buckets) with
-``compressed_allreduce``, the unit's :class:`~.residuals.UnitResiduals` as its residual
-store.
+A compressed unit is reduced in float32 (float64 for float64 buckets), with the
+hook's :class:`~gradcomm.error_feedback.KeyedResiduals` (indexed by
+:class:`~.residuals.ParameterResiduals`) as its residual store. What a bucket layout needs
+is decided once, at its first reduction (:class:`Plan`: where, by which route, with which
+codec); that first reduction goes through ``compressed_allreduce`` (validation, the
+cross-rank check, the route); later ones run the planned route directly.
 
 Example:
-    >>> from gradcomm import arrays, compressors
+    >>> from gradcomm import arrays
+    >>> from gradcomm._plan import Reduction
     >>> from gradcomm.comm import run_ranks
     >>> def fn(t):
-    ...     routes = Routes(t, None, compressors.get("topk"), "ring", 0,
+    ...     routes = Routes(t, None, Reduction.configure(algorithm="ring", compressor="topk"),
     ...                     ParameterResiduals(True))
     ...     meta = arrays.Meta("torch", "float32", (10,), "cuda:0")
     ...     return routes.route(meta, compressed=True), routes.route(meta, compressed=False)
@@ -32,15 +36,17 @@ Example:
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ... import arrays
+from ..._plan import Reduction
 from ...collectives import DENSE, dense_allreduce
 from ...comm.base import Transport
 from ...errors import UnsupportedError
-from .residuals import ParameterResiduals, UnitResiduals
+from .residuals import ParameterResiduals, unit_key
 
 #: compressed algorithms the hook runs where the bucket lives (gather routes; "auto" means
 #: them for device buckets); codecs always staged through the host
@@ -49,21 +55,30 @@ DEVICE_ALGORITHMS = ("auto", "allgather", "sparse_allgather", "ring", "tree",
 STAGED_CODECS = ("powersgd",)
 
 
-def codec_algorithms(codec: Any) -> tuple[str, ...]:
-    """The algorithms a lossy codec composes with: PowerSGD's two rounds are dense sums,
-    so any dense algorithm (``native`` too); every other codec, the compressed ones."""
-    if codec.name == "powersgd":                   # routed as compressed_allreduce does
-        from ...compressed import POWERSGD_ALGORITHMS
+#: plans kept per hook state (bucket layouts seen recently; more are re-planned)
+PLAN_LIMIT = 256
 
-        return POWERSGD_ALGORITHMS
-    from ...compressed import COMPRESSED_ALGORITHMS
 
-    return COMPRESSED_ALGORITHMS
+@dataclass
+class Plan:
+    """How one bucket layout (its parameters, count, dtype, device and whether it is
+    compressed) is reduced, decided at its first reduction: ``where`` (:meth:`Routes.route`),
+    the unit's key, the working dtype (float64 buckets: float64, else float32) and, for
+    compressed units, the ``route`` and ``codec`` the collective
+    runs (None until the first reduction decided them; PowerSGD: always None, its
+    rounds are planned per call)."""
+
+    where: str
+    unit: str
+    work: str                       # the working dtype of compressed units
+    route: str | None = None
+    codec: Any = None
 
 
 class Routes:
-    """Reduces the hook's units: the transports, the codec and algorithm, the residuals,
-    and what it learnt (shapes agreed across ranks, dtypes the library cannot reduce).
+    """Reduces the hook's units: the transports, the validated configuration
+    (:class:`~gradcomm._plan.Reduction`: codec, algorithm, seed), the residuals, and what
+    it learnt (shapes agreed across ranks, dtypes the library cannot reduce).
 
     ``transport`` carries gradcomm's messages (host buffers); ``library``, for a device
     process group (NCCL), is that group, whose allreduce sums uncompressed device buckets
@@ -71,15 +86,33 @@ class Routes:
     ``native_nbytes`` handed to the library's allreduce and ``comm_seconds`` spent.
     """
 
-    def __init__(self, transport: Transport, library: Transport | None, compressor: Any,
-                 algorithm: str, seed: int, residuals: ParameterResiduals) -> None:
+    def __init__(self, transport: Transport, library: Transport | None, reduction: Reduction,
+                 residuals: ParameterResiduals) -> None:
         self.transport, self.library = transport, library
-        self.compressor, self.algorithm, self.seed = compressor, algorithm, seed
+        self.compressor, self.algorithm = reduction.compressor, reduction.algorithm
+        self.seed = int(reduction.seed or 0)
         self.residuals = residuals
         self.stats = {"buckets": 0, "bytes_sent": 0, "native_nbytes": 0, "comm_seconds": 0.0}
         #: (count, dtype, compressed) of the units already agreed across ranks
         self.checked: set[tuple[int, str, bool]] = set()
         self.no_native: set[str] = set()       # dtypes the library cannot reduce
+        self.plans: dict[tuple[Any, ...], Plan] = {}
+
+    def plan(self, flat: Any, keys: list[str], compressed: bool) -> Plan:
+        """The :class:`Plan` of bucket (or unit) ``flat`` of parameters ``keys``, made at
+        its first reduction; the layout changes the key, so a rebuilt bucket is planned
+        anew. Safe from both the autograd thread and the worker (equal plans)."""
+        sig = (tuple(keys), flat.numel(), flat.dtype, flat.device, compressed)
+        plan = self.plans.get(sig)
+        if plan is None:
+            import torch
+
+            if len(self.plans) >= PLAN_LIMIT:
+                self.plans.clear()
+            work = "float64" if flat.dtype == torch.float64 else "float32"
+            plan = self.plans[sig] = Plan(self.route(arrays.meta_of(flat), compressed),
+                                          unit_key(keys), work)
+        return plan
 
     def reduce(self, flat: Any, keys: list[str], lengths: list[int], compressed: bool,
                step: int) -> None:
@@ -88,16 +121,15 @@ class Routes:
         ``step``: the hook's iteration (it seeds the codecs)."""
         t = self.transport
         began, sent = time.perf_counter(), t.stats.bytes_sent
-        meta = arrays.meta_of(flat)
-        sig = (flat.numel(), meta.dtype, compressed)
+        plan = self.plan(flat, keys, compressed)
+        sig = (flat.numel(), flat.dtype, compressed)
         check = sig not in self.checked    # agree on new shapes only: gloo messages cost ms
-        route = self.route(meta, compressed)
-        if route == "device":
-            self._on_device(flat, meta.dtype, keys, lengths, check, step)
-        elif route == "library":
-            self.library_allreduce(flat, meta.dtype, check)
+        if plan.where == "device":
+            self._on_device(flat, plan, keys, lengths, check, step)
+        elif plan.where == "library":
+            self.library_allreduce(flat, arrays.meta_of(flat).dtype, check)
         else:
-            self._on_host(flat, keys, lengths, compressed, check, step)
+            self._on_host(flat, plan, keys, lengths, compressed, check, step)
         self.checked.add(sig)
         self.stats["buckets"] += 1
         self.stats["bytes_sent"] += t.stats.bytes_sent - sent
@@ -121,14 +153,16 @@ class Routes:
             return "library"
         return "host"
 
-    def _on_device(self, flat: Any, dtype: str, keys: list[str], lengths: list[int],
+    def _on_device(self, flat: Any, plan: Plan, keys: list[str], lengths: list[int],
                    check: bool, step: int) -> None:
         """The compressed path where the bucket lives: a float32/float64 working copy
         divided by p, residuals on the same device, payload bytes alone crossing to the
         host; the result goes back into ``flat`` there."""
-        work = flat.double() if dtype == "float64" else flat.float()   # flat itself if so
+        import torch
+
+        work = flat.double() if flat.dtype == torch.float64 else flat.float()  # flat if so
         work.mul_(1.0 / self.transport.size)
-        result = self._compressed(work, keys, lengths, check, step)
+        result = self._compressed(work, plan, keys, lengths, check, step)
         if result is not work:
             arrays.assign(work, result)
         if work is not flat:
@@ -163,13 +197,16 @@ class Routes:
         arrays.sync(flat)                   # done before the future hands it to DDP
         self.stats["native_nbytes"] += flat.numel() * flat.element_size()
 
-    def _on_host(self, flat: Any, keys: list[str], lengths: list[int],
+    def _on_host(self, flat: Any, plan: Plan, keys: list[str], lengths: list[int],
                  compressed: bool, check: bool, step: int) -> None:
-        """Staged through host memory (in place for CPU buckets)."""
+        """Staged through host memory (in place for CPU buckets); a compressed unit's
+        float32/float64 working copy becomes flat numpy memory once (``Tensor.numpy``)."""
+        import torch
+
         t = self.transport
         host = flat if flat.device.type == "cpu" else flat.cpu()
-        meta = arrays.meta_of(host)
         if not compressed:
+            meta = arrays.meta_of(host)
             host.mul_(1.0 / t.size)
             view = arrays.host_view(host)
             algorithm = self._dense_algorithm(meta.dtype)
@@ -184,11 +221,14 @@ class Routes:
             if algorithm == "native":
                 self.stats["native_nbytes"] += host.numel() * host.element_size()
         else:
-            work = host.double() if meta.dtype == "float64" else host.float()
+            work = host.double() if host.dtype == torch.float64 else host.float()
             work.mul_(1.0 / t.size)
-            view = arrays.host_view(work)
-            result = self._compressed(view, keys, lengths, check, step)
-            host.copy_(arrays.from_flat(result, arrays.meta_of(work)))
+            view = work.numpy()                     # the same memory
+            result = self._compressed(view, plan, keys, lengths, check, step)
+            if result is not view:
+                view[...] = result
+            if work is not host:
+                host.copy_(work)
         if host is not flat:
             flat.copy_(host)
 
@@ -199,21 +239,45 @@ class Routes:
             return "auto" if dtype in self.no_native else "native"
         return self.algorithm if self.algorithm in DENSE else "auto"
 
-    def _compressed(self, x: Any, keys: list[str], lengths: list[int], check: bool,
-                    step: int) -> Any:
+    def _compressed(self, x: Any, plan: Plan, keys: list[str], lengths: list[int],
+                    check: bool, step: int) -> Any:
         """Compressed allreduce (sum) of flat ``x`` (host numpy, or a tensor reduced where
-        it lives) with the residuals of ``keys``."""
+        it lives) with the residuals of ``keys``: the planned route when there is one,
+        else (the layout's first reduction, a new shape to agree on, PowerSGD) through
+        ``compressed_allreduce``, whose route the plan then keeps."""
         from ...compressed import compressed_allreduce
+        from ...compressed.routes import run
 
-        unit = self.residuals.open(keys, lengths, x, step)
+        unit = self.residuals.open(keys, lengths, x, step, plan.unit)
+        store, dtype = self.residuals.store, plan.work
+        if plan.route is not None and not check:
+            return run(self.transport, x, dtype, "sum", plan.route, plan.codec, self.seed,
+                       step, store, unit)
         if self.algorithm == "native":                  # PowerSGD's rounds, on the library
             self.stats["native_nbytes"] += self._native_nbytes(x, unit, step)
-        return compressed_allreduce(self.transport, x, arrays.meta_of(x).dtype, op="sum",
-                                    algorithm=self.algorithm, compressor=self.compressor,
-                                    check=check, seed=self.seed, residuals=unit,
-                                    key=unit.key)
+        out = compressed_allreduce(self.transport, x, dtype, op="sum",
+                                   algorithm=self.algorithm, compressor=self.compressor,
+                                   check=check, seed=self.seed, residuals=store, key=unit)
+        if plan.route is None and self.compressor.name not in STAGED_CODECS:
+            plan.route, plan.codec = self._route_of(x, dtype)
+        return out
 
-    def _native_nbytes(self, x: np.ndarray, unit: UnitResiduals, step: int) -> int:
+    def _route_of(self, x: Any, dtype: str) -> tuple[str, Any]:
+        """The route and codec ``compressed_allreduce`` ran ``x`` by (``auto`` decided as
+        it decides it; a per-hop route's codec keeps the fraction of each segment)."""
+        from ...compressed import HOP_ALGORITHMS
+        from ...compressed.auto import route_of
+        from ...compressed.routes import segment_codec
+
+        t, codec, n = self.transport, self.compressor, arrays.size(x)
+        route = self.algorithm
+        if route == "auto" and t.size > 1 and n:
+            route = route_of(t, codec, n, dtype, device=not arrays.is_host(x))
+        if route in HOP_ALGORITHMS:
+            codec = segment_codec(codec, n)
+        return route, codec
+
+    def _native_nbytes(self, x: np.ndarray, unit: str, step: int) -> int:
         """Bytes PowerSGD will hand to the library's allreduce for ``x`` (both rounds)."""
         from ...compressed.powersgd import parts_of, wire_values
 
@@ -222,7 +286,8 @@ class Routes:
             return 0
         if step < c.start_iter:
             return x.nbytes
-        return sum(wire_values(parts_of(x.size, unit.key, c, unit))) * x.itemsize
+        return sum(wire_values(parts_of(x.size, unit, c, self.residuals.store))) * x.itemsize
 
 
-__all__ = ["DEVICE_ALGORITHMS", "Routes", "STAGED_CODECS", "codec_algorithms"]
+
+__all__ = ["DEVICE_ALGORITHMS", "PLAN_LIMIT", "Plan", "Routes", "STAGED_CODECS"]

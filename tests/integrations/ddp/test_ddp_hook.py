@@ -127,6 +127,45 @@ def test_arguments_are_validated_early():
     assert one_rank(fn)
 
 
+def test_the_hook_refuses_misuse_in_the_words_of_every_other_entry_point():
+    """make_comm_hook validates through _plan.Reduction: the same misuse gets the same
+    error class and message as wrap()'s configuration and as the collective itself."""
+    from gradcomm._plan import Reduction
+    from gradcomm.compressed import compressed_allreduce
+
+    def message(fn):
+        try:
+            fn()
+        except Exception as exc:                        # noqa: BLE001 - compared below
+            return type(exc), str(exc)
+        raise AssertionError("no error")
+
+    def fn(t):
+        cases = [(None, "bogus", {}), ("topk", "native", {}), ("topk", "bogus", {}),
+                 (None, "auto", {"ratio": 0.1}), ("fp16", "ring", {"seed": -1}),
+                 ("powersgd", "bogus", {})]
+        out = []
+        for codec, algorithm, kw in cases:
+            seed = kw.pop("seed", None)
+            hook = message(lambda: ddp.make_comm_hook(codec, algorithm=algorithm, transport=t,
+                                                      **({} if seed is None else
+                                                         {"seed": seed}), **kw))
+            plan = message(lambda: Reduction.configure(
+                algorithm=algorithm, compressor=codec, options=kw, seed=seed,
+                check_algorithm=True))
+            assert hook == plan, (codec, algorithm, hook, plan)
+            if codec is not None and not kw and seed is None:
+                x = np.ones(4, np.float32)
+                call = message(lambda: compressed_allreduce(
+                    t, x, "float32", op="sum", algorithm=algorithm, compressor=codec))
+                assert call == hook, (codec, algorithm, call, hook)
+            out.append(hook[0].__name__)
+        return out
+
+    assert one_rank(fn) == ["ConfigError", "UnsupportedError", "ConfigError", "ConfigError",
+                            "ConfigError", "ConfigError"]
+
+
 def test_state_dict_round_trips_through_torch_save_weights_only():
     def fn(t):
         state, _ = ddp.make_comm_hook(None, transport=t)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gradcomm.error_feedback import ResidualStore
+from gradcomm.error_feedback import KeyedResiduals, ResidualStore
 from gradcomm.integrations.ddp.checkpoint import residuals_of
 from gradcomm.integrations.ddp.residuals import ParameterResiduals, redistribute
 
@@ -19,21 +19,24 @@ def _res(named: dict, units=(), offsets=None) -> ParameterResiduals:
     return r
 
 
-def test_a_unit_is_a_residual_store_of_per_parameter_pieces():
+def test_a_unit_is_reduced_with_a_keyed_store_of_per_parameter_pieces():
     r = _res({"a": [1, 2], "b": [0, 0, 0]})
     r.shapes = {"a": (2,), "b": (1, 3)}
     x = np.arange(5, dtype=np.float32)
     unit = r.open(["a", "b"], [2, 3], x, 7)
-    assert isinstance(unit, ResidualStore) and unit.key in r.units
+    store = r.store                       # what the collective gets: not the hook's code
+    assert isinstance(store, ResidualStore) and isinstance(store, KeyedResiduals)
+    assert unit in r.units and type(store).__module__ == "gradcomm.error_feedback"
     assert x.tolist() == [1, 3, 2, 3, 4] and r._residuals["a"].tolist() == [0, 0]
-    assert unit.step(unit.key) == 7 and unit.flat_residual(unit.key, 5, np.float32) is None
-    assert unit.compensate(unit.key, x) is x and x.tolist() == [1, 3, 2, 3, 4]
-    unit.update(unit.key, x, np.zeros(5, np.float32))
+    assert store.step(unit) == 7 and store.flat_residual(unit, 5, np.float32) is None
+    assert store.compensate(unit, x) is x and x.tolist() == [1, 3, 2, 3, 4]
+    store.update(unit, x, np.zeros(5, np.float32))
     assert r._residuals["a"].tolist() == [1, 3] and r._residuals["b"].tolist() == [2, 3, 4]
-    unit.hop_residual(unit.key + "#e0", 2, 3, np.float32)[...] = 1
-    assert r.offsets == {unit.key + "#e0": 2}
-    assert unit.parts(unit.key) == [("a", 2, (2,)), ("b", 3, (1, 3))]
-    assert unit.parts("another") is None
+    store.hop_residual(unit + "#e0", 2, 3, np.float32)[...] = 1
+    assert r.offsets == {unit + "#e0": 2}
+    assert store.parts(unit) == [("a", 2, (2,)), ("b", 3, (1, 3))]
+    assert store.parts("another") is None
+    assert r.open(["a", "b"], [2, 3], x, 8) == unit and store.step(unit) == 8
 
 
 def test_fold_maps_hop_residuals_to_parameters_and_divides_replicas():

@@ -1,53 +1,129 @@
 """Which gradcomm files one DDP bucket visits, hook -> wire -> back (issue 11's "trip").
 
-Run on 2 gloo ranks; every rank prints ``RESULT {json}``: the distinct files entered
-(profiled on the backward pass of the third step, worker thread included) and the order.
+Run on 2 gloo ranks. For each configuration ``codec[:algorithm]`` (default ``int8:auto``)
+a fresh model trains three steps with the gradcomm hook; the backward pass of the third
+is profiled (``sys.setprofile`` / ``threading.setprofile``: the hook's worker thread too)
+and every rank prints ``RESULT {json}`` with, per configuration:
 
-    python bench/trip.py               # int8; CODEC=topk python bench/trip.py
+- ``files``: the distinct gradcomm files whose functions were entered (``n``);
+- ``data``: those whose functions received the bucket's data: an argument that is an
+  array (numpy, torch), bytes or a codec Payload, or a list/tuple of them (``n_data``);
+  the other files only decided something (sizes, seeds, routes);
+- ``climbs``: calls into ``gradcomm/integrations/`` made while a function of a lower
+  floor (anything in gradcomm outside integrations/) was on the stack, i.e. the
+  collective calling back into the hook (``where``: the first few, callee < caller);
+- ``seq``: the order of files entered (first 400 changes).
+
+    python bench/trip.py                      # int8, algorithm="auto"
+    python bench/trip.py int8:auto topk:ring  # several in one launch
 """
 import json, os, sys, threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+CONFIGS = [a for a in sys.argv[1:] if not a.startswith("-")] or ["int8:auto"]
 if "RANK" not in os.environ:                       # start the two ranks
     from tests._launch import torchrun
-    run = torchrun(__file__, 2, timeout=120)
+    run = torchrun(__file__, 2, *CONFIGS, timeout=120)
     for r in run.results():
-        print(f"rank {r['rank']}: {r['n']} files: {', '.join(r['files'])}")
-    print("order (rank 0): " + " > ".join(run.results()[0]["seq"]))
+        for cfg, res in r["trips"].items():
+            print(f"rank {r['rank']} {cfg}: {res['n']} files, {res['n_data']} on the data "
+                  f"path, {len(res['climbs'])} climbs back into integrations/")
+            print(f"  files: {', '.join(res['files'])}")
+            print(f"  data path: {', '.join(res['data'])}")
+            for c in res["climbs"][:5]:
+                print(f"  climb: {c}")
+    for cfg, res in run.results()[0]["trips"].items():
+        print(f"order (rank 0, {cfg}): " + " > ".join(res["seq"]))
     sys.exit(0)
+import numpy as np
 import torch, torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 dist.init_process_group("gloo")
+from gradcomm.compressors.payload import Payload
 from gradcomm.integrations.ddp import make_comm_hook
-torch.manual_seed(0)
-net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
-model = DDP(net, bucket_cap_mb=25)
-seq = []
-on = [False]
+
+DATA = (np.ndarray, torch.Tensor, bytes, bytearray, memoryview, Payload)
+ON = [False]
+LOG: dict = {}
+
+
+def _rel(filename: str) -> str | None:
+    if "/gradcomm/" not in filename:
+        return None
+    rel = filename.split("/gradcomm/", 1)[1]
+    return None if rel.startswith("bench/") else rel
+
+
+def _is_data(v) -> bool:
+    if isinstance(v, (list, tuple)) and v:
+        v = v[0]
+    return isinstance(v, DATA)
+
+
+def _takes_data(frame) -> bool:
+    code = frame.f_code
+    n = code.co_argcount + code.co_kwonlyargcount + (1 if code.co_flags & 0x04 else 0)
+    args = frame.f_locals
+    return any(_is_data(args.get(name)) for name in code.co_varnames[:n])
+
+
 def prof(frame, event, arg):
-    if on[0] and event == "call":
-        f = frame.f_code.co_filename
-        if "/gradcomm/" in f and "/bench/" not in f:
-            rel = f.split("/gradcomm/", 1)[1]
-            if not seq or seq[-1] != rel:
-                seq.append(rel)
+    if not ON[0] or event != "call":
+        return
+    rel = _rel(frame.f_code.co_filename)
+    if rel is None:
+        return
+    seq = LOG["seq"]
+    if not seq or seq[-1] != rel:
+        seq.append(rel)
+    LOG["files"].add(rel)
+    if _takes_data(frame):
+        LOG["data"].add(rel)
+    if rel.startswith("integrations/"):
+        f = frame.f_back
+        while f is not None:
+            up = _rel(f.f_code.co_filename)
+            if up is not None and not up.startswith("integrations/"):
+                LOG["climbs"].append(f"{rel}:{frame.f_code.co_name} < "
+                                     f"{up}:{f.f_code.co_name}")
+                break
+            f = f.f_back
+
+
 threading.setprofile(prof)
-state, hook = make_comm_hook(os.environ.get("CODEC", "int8"), model=model)
-def wrapped(st, bucket):
-    return hook(st, bucket)
-model.register_comm_hook(state, wrapped)
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-for step in range(3):
-    x = torch.randn(8, 64); y = torch.randint(0, 4, (8,))
-    if step == 2:
-        on[0] = True; sys.setprofile(prof)
-    opt.zero_grad(); nn.functional.cross_entropy(model(x), y).backward()
-    on[0] = False; sys.setprofile(None)
-    opt.step()
-files = sorted(set(seq))
-print("RESULT " + json.dumps({"rank": dist.get_rank(), "files": files, "n": len(files), "seq": seq[:400]}), flush=True)
-state.close()
-dist.barrier(); dist.destroy_process_group()
+
+
+def trip(cfg: str) -> dict:
+    codec, _, algorithm = cfg.partition(":")
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+    model = DDP(net, bucket_cap_mb=25)
+    state, hook = make_comm_hook(None if codec == "none" else codec,
+                                 algorithm=algorithm or "auto", model=model)
+    model.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    LOG.update(seq=[], files=set(), data=set(), climbs=[])
+    with state:
+        for step in range(3):
+            x = torch.randn(8, 64)
+            y = torch.randint(0, 4, (8,))
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), y)
+            if step == 2:
+                ON[0] = True
+                sys.setprofile(prof)
+            loss.backward()
+            ON[0] = False
+            sys.setprofile(None)
+            opt.step()
+    files, data = sorted(LOG["files"]), sorted(LOG["data"])
+    return {"files": files, "n": len(files), "data": data, "n_data": len(data),
+            "climbs": LOG["climbs"], "seq": LOG["seq"][:400]}
+
+
+trips = {cfg: trip(cfg) for cfg in CONFIGS}
+print("RESULT " + json.dumps({"rank": dist.get_rank(), "trips": trips}), flush=True)
+dist.destroy_process_group()

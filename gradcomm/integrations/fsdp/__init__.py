@@ -1,0 +1,192 @@
+"""PyTorch FSDP2 (``fully_shard``): a compressed reduce-scatter with error feedback.
+
+``compress_fsdp(model, "int8", error_feedback=True)`` installs a
+:class:`~.comm.CompressedReduceScatter` on every FSDPModule in ``model``
+(``set_custom_reduce_scatter``) and returns the :class:`~.state.FSDPState` that holds
+their residuals:
+
+1. FSDP2 copies a module's gradients into one flat padded buffer (each parameter padded
+   to a multiple of p rows) in the reduce dtype and calls the reduce-scatter with op
+   AVG, SUM or PREMUL_SUM (gradient divide factor).
+2. The reduce-scatter adds the module's error-feedback residual, over the *whole* local
+   gradient, to every segment it sends, compresses each once, exchanges them
+   (``algorithm="auto"``: all-to-all, the qgZ shape; or ``"ring"``), and sums its own
+   shard in rank order (:mod:`gradcomm.compressed.reduce_scatter`); 16-bit reduce dtypes
+   run the codec in float32. Residuals are kept where the gradient lives.
+3. FSDP2 divides (if it does), casts back to the parameter dtype and accumulates the
+   shard into ``.grad`` as usual.
+
+``compress_fsdp(model, None)`` runs torch's own reduce-scatter: parameters bitwise equal
+to FSDP2's. Stochastic codecs draw from ``(seed, step, crc32(module key), rank, ...)``, so
+a rerun is bitwise the same. Works with ``MixedPrecisionPolicy(reduce_dtype=...)``,
+``set_gradient_divide_factor``, nested ``fully_shard``, uneven shards,
+``reshard_after_forward`` either way and ``set_requires_gradient_sync(False)`` (FSDP2
+then skips the reduce-scatter and accumulates unsharded gradients until the sync step).
+
+**HSDP**: build 1-D FSDP on the shard dimension and let gradcomm average the shards over
+the replicate dimension with a compressed allreduce: ``fully_shard(m,
+mesh=mesh["shard"])``, then ``compress_fsdp(m, "int8", replicate_group=mesh["replicate"]
+.get_group())`` (``set_all_reduce_hook``; residual per module, ``replicate_algorithm``
+default ``"allgather"``). A module on a 2-D mesh (FSDP2's own HSDP, whose replicate
+all-reduce cannot be replaced) is refused with this advice. Checkpoints: :mod:`.state`.
+
+Example:
+    >>> make_reduce_scatter(None)
+    CompressedReduceScatter(None, key='default', error_feedback=False)
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from ...error_feedback import ErrorFeedbackWarning, contractive
+from ...errors import ConfigError
+
+ROOT_KEY = "(root)"
+
+
+def _codec(name: Any, options: dict[str, Any]) -> Any:
+    from ... import compressors
+
+    if name is None:
+        if options:
+            raise ConfigError(f"unknown options {sorted(options)} (compressor options need "
+                              "a compressor)")
+        return None
+    codec = compressors.get(name, **options)
+    if codec.name == "powersgd":
+        raise ConfigError("powersgd has no reduce-scatter (its factors are sums of whole "
+                          "matrices, FSDP2 hands over shards); use int8, fp16, bf16, topk, "
+                          "onebit, ... or DDP's comm hook for PowerSGD")
+    return codec
+
+
+def make_reduce_scatter(compressor: Any = None, *, error_feedback: bool = True,
+                        algorithm: str = "auto", seed: int = 0, key: str = "default",
+                        **options: Any) -> Any:
+    """One torch ``ReduceScatter`` for ``module.set_custom_reduce_scatter``: ``compressor``
+    (a name with ``**options``, an instance, or None for torch's own) on that module.
+
+    It keeps its own residual (one module per object; use :func:`compress_fsdp` for
+    per-parameter checkpoints and a model-wide state). A gradient divide factor needs
+    :func:`compress_fsdp` (it reads the factor from the module).
+    """
+    from .comm import CompressedReduceScatter
+
+    codec = _codec(compressor, options)
+    ef_on = bool(error_feedback) and codec is not None and codec.lossy and contractive(codec)
+    from ...error_feedback import ErrorFeedback
+
+    return CompressedReduceScatter(codec, ef=ErrorFeedback(enabled=ef_on), key=key,
+                                   algorithm=algorithm, seed=seed)
+
+
+def compress_fsdp(model: Any, compressor: Any = None, *, error_feedback: bool = True,
+                  algorithm: str = "auto", seed: int = 0, replicate_group: Any = None,
+                  replicate_algorithm: str = "allgather", **options: Any) -> Any:
+    """Install a compressed reduce-scatter on every FSDPModule in ``model`` (call after
+    ``fully_shard``, on every rank); returns the :class:`~.state.FSDPState`.
+
+    Args:
+        model: the root module (itself or its submodules wrapped by ``fully_shard``).
+        compressor: a codec name (options in ``**options``), an instance, or None
+            (torch's own reduce-scatter, bitwise).
+        error_feedback: keep a residual per module over its whole local gradient (only
+            for lossy codecs that are contractions; others warn and run without).
+        algorithm: ``"auto"`` (all-to-all), ``"alltoall"`` or ``"ring"``.
+        seed: seeds the stochastic codecs.
+        replicate_group: HSDP: the ProcessGroup of the replicate dimension; the shards
+            are then averaged over it through the same codec (``set_all_reduce_hook``).
+        replicate_algorithm: the compressed allreduce's algorithm there.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    from ...comm import get_transport
+    from ...compressed.reduce_scatter import ALGORITHMS
+    from .comm import CompressedReduceScatter, ReplicateHook
+    from .layout import layout_of
+    from .state import FSDPState
+
+    codec = _codec(compressor, options)
+    if algorithm not in ALGORITHMS:
+        raise ConfigError(f"unknown algorithm {algorithm!r}; known: {', '.join(ALGORITHMS)}")
+    lossy = codec is not None and codec.lossy
+    if error_feedback and lossy and not contractive(codec):
+        warnings.warn(f"error_feedback=True is not applied with {codec!r}: its error can "
+                      "exceed its input (see gradcomm.error_feedback.contractive); pass "
+                      "error_feedback=False to silence this", ErrorFeedbackWarning,
+                      stacklevel=2)
+    state = FSDPState(codec, options, seed=seed, algorithm=algorithm,
+                      error_feedback=bool(error_feedback) and lossy and contractive(codec))
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    sides: dict[tuple[int, ...], Any] = {}
+    found = False
+    for mname, module in model.named_modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        found = True
+        key = mname or ROOT_KEY
+        groups = module._get_fsdp_state()._fsdp_param_groups
+        if not groups:
+            continue
+        if len(groups) > 1:
+            raise ConfigError(f"FSDP module {key!r} has {len(groups)} parameter groups "
+                              "(per-parameter meshes): set_custom_reduce_scatter does not "
+                              "support that; use one mesh per module")
+        g = groups[0]
+        if g._is_hsdp:
+            raise ConfigError(f"FSDP module {key!r} is on a 2-D (HSDP) mesh, whose replicate "
+                              "all-reduce FSDP2 runs itself: shard on mesh['shard'] and pass "
+                              "replicate_group=mesh['replicate'].get_group() to "
+                              "compress_fsdp to compress that dimension too")
+        if codec is not None and any(fp.offload_to_cpu for fp in g.fsdp_params):
+            raise ConfigError(f"FSDP module {key!r} offloads to CPU; compressed "
+                              "reduce-scatter is not supported with CPUOffloadPolicy")
+        lay = layout_of(key, g, names)
+        side = None if codec is None else side_group(g.mesh_info.shard_process_group, sides)
+        comm = CompressedReduceScatter(codec, ef=state.ef, key=key, algorithm=algorithm,
+                                       seed=seed, group=g, side_group=side)
+        comm.shard_rank = g.mesh_info.shard_mesh_rank
+        module.set_custom_reduce_scatter(comm)
+        state.layouts[key], state.comms[key] = lay, comm
+        if replicate_group is not None:
+            rep = replicate_group if codec is None else side_group(replicate_group, sides)
+            hook = ReplicateHook(codec, rep, state.ef, key,
+                                 algorithm=replicate_algorithm, seed=seed)
+            module.set_all_reduce_hook(hook)
+            state.hooks[key] = hook
+    if not found:
+        raise ConfigError("compress_fsdp: no FSDPModule in the model; call fully_shard "
+                          "on its blocks and on the root first")
+    import torch.distributed as dist
+
+    state.world = get_transport(side_group(dist.group.WORLD, sides))
+    return state
+
+
+def side_group(group: Any, cache: dict[tuple[int, ...], Any]) -> Any:
+    """A gloo group over ``group``'s ranks for gradcomm's own messages (one per rank set;
+    created collectively: every rank calls this in the same order)."""
+    import torch.distributed as dist
+
+    ranks = tuple(dist.get_process_group_ranks(group))
+    if ranks not in cache:
+        cache[ranks] = dist.new_group(list(ranks), backend="gloo")
+    return cache[ranks]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("FSDPState", "load_dcp"):
+        from . import state
+
+        return getattr(state, name)
+    if name in ("CompressedReduceScatter", "ReplicateHook"):
+        from . import comm
+
+        return getattr(comm, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["CompressedReduceScatter", "FSDPState", "ReplicateHook", "compress_fsdp",
+           "load_dcp", "make_reduce_scatter"]

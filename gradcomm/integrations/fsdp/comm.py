@@ -74,7 +74,7 @@ class CompressedReduceScatter(ReduceScatter):
         self.ef = ef if ef is not None else ErrorFeedback(enabled=codec is not None)
         self.param_group, self.side_group = group, side_group
         self.shard_rank = 0
-        self.calls = 0
+        self.calls = self.bytes_sent = 0
         self._checked: set[tuple[int, str, int]] = set()
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device
@@ -112,10 +112,12 @@ class CompressedReduceScatter(ReduceScatter):
         dtype = arrays.dtype_name(input_tensor)
         sig = (id(group), dtype, int(input_tensor.numel()))
         first = sig not in self._checked
+        before = t.stats.bytes_sent
         shard = compressed_reduce_scatter(
             t, buf, dtype, op=how, algorithm=self.algorithm, compressor=self.codec,
             check=first, seed=self.seed, residuals=self.ef, key=self.key)
         self._checked.add(sig)
+        self.bytes_sent += t.stats.bytes_sent - before
         _write(output_tensor, shard)
         return None
 

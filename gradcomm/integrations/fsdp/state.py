@@ -63,6 +63,11 @@ class FSDPState:
         """Reduce-scatter calls per module key."""
         return {k: c.calls for k, c in self.comms.items()}
 
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes this rank's compressed reduce-scatters sent (all modules, so far)."""
+        return sum(c.bytes_sent for c in self.comms.values())
+
     # -- saving ---------------------------------------------------------------------------
     def _local(self, shard_rank: dict[str, int]) -> tuple[dict[str, dict[str, np.ndarray]],
                                                           dict[str, Any]]:

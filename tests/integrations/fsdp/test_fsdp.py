@@ -71,3 +71,14 @@ def test_make_reduce_scatter_checks_its_codec() -> None:
         make_reduce_scatter(None, ratio=0.1)
     out = rs.allocate((4,), dtype=torch.bfloat16, device=torch.device("cpu"))
     assert out.shape == (4,) and out.dtype == torch.bfloat16
+
+
+@pytest.mark.timeout(120)
+def test_example_trains_and_exits_cleanly(tmp_path: Path) -> None:
+    """examples/fsdp_train.py under 2 gloo ranks: exit status 0, learns, resumes."""
+    pytest.importorskip("sklearn")
+    example = Path(__file__).resolve().parents[3] / "examples" / "fsdp_train.py"
+    run = torchrun(example, 2, "--epochs", "2", "--compressor", "int8", "--reduce-dtype",
+                   "bfloat16", "--checkpoint", tmp_path / "ef.pt", timeout=100)
+    result = run.results(1)[0]
+    assert result["accuracy"] > 0.85 and result["bytes_sent"] > 0, result

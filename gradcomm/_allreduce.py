@@ -11,7 +11,7 @@ Example:
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, Mapping
 
 from . import arrays
 from ._plan import Reduction
@@ -44,17 +44,27 @@ def allreduce(x: Any, comm: Any = None, *, op: str = "sum", algorithm: str = "au
         >>> run_ranks(3, lambda t: allreduce(np.ones(2), t, op="mean").tolist())[2]
         [1.0, 1.0]
     """
+    return _reduce(x, comm, None, op=op, algorithm=algorithm, compressor=compressor,
+                   check=check, **options)
+
+
+def _reduce(x: Any, comm: Any, problem: Exception | None, *, op: str = "sum",
+            algorithm: str = "auto", compressor: Any = None, check: bool | str = True,
+            **options: Any) -> Any:
+    """:func:`allreduce`; ``problem``: this rank's objection to the call, raised here
+    before data moves (the other ranks learn of it from the check)."""
     t = get_transport(comm)
     plan = Reduction(op, algorithm, compressor, options, None, check)
     buf, meta = plan.flat(x, t)
-    return arrays.from_flat(plan.run(t, buf, meta.dtype, meta=meta), meta)
+    return arrays.from_flat(plan.run(t, buf, meta.dtype, meta=meta, problem=problem), meta)
 
 
 def allreduce_(x: Any, comm: Any = None, **kwargs: Any) -> Any:
     """In-place :func:`allreduce`: the result is written into ``x``, which is returned.
 
-    Takes the same arguments. ``x`` must be writable; a non-contiguous ``x`` is updated
-    through its strides.
+    Takes the same arguments. ``x`` must be writable (a read-only numpy array is a
+    ConfigError on its rank before any data moves, a MismatchError on the others); a
+    non-contiguous ``x`` is updated through its strides.
 
     Example:
         >>> import numpy as np
@@ -64,7 +74,11 @@ def allreduce_(x: Any, comm: Any = None, **kwargs: Any) -> Any:
         >>> run_ranks(2, fn)[0]
         [2.0, 2.0]
     """
-    y = allreduce(x, comm, **kwargs)
+    problem = None
+    if arrays.kind(x) == "numpy" and not x.flags.writeable:
+        problem = ConfigError("allreduce_ writes the result into x, a read-only numpy array "
+                              "(use y = allreduce(x, ...), or a writable copy)")
+    y = _reduce(x, comm, problem, **kwargs)
     if arrays.kind(x) == "numpy":
         x[...] = y
     else:
@@ -168,6 +182,9 @@ class Allreduce:
         """
         import numpy as np
 
+        if not isinstance(state, Mapping):
+            raise ConfigError(f"load_state_dict takes what state_dict() returned (a mapping, "
+                              f"also as read back by numpy.load), got {type(state).__name__}")
         state = dict(state)
         saved = str(np.asarray(state.pop("allreduce/compressor", self._signature())))
         seed = int(np.asarray(state.pop("allreduce/seed", self.seed)))

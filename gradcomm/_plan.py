@@ -36,22 +36,43 @@ from .collectives import ALGORITHMS, DENSE, dense_allreduce
 from .compressed import GATHER_ALGORITHMS, compressed_allreduce
 from .compressed._args import check_algorithm as check_codec_algorithm
 from .compressors.powersgd import PowerSGD
+from .compressors._options import closest
 from .error_feedback import ResidualStore
-from .errors import ConfigError
+from .errors import ConfigError, UnknownOptionError, UnsupportedError
+from .ops import OPS
+
+
+#: the keywords of the entry points beside a codec's options (suggested for typos)
+KEYWORDS = ("comm", "op", "algorithm", "compressor", "check", "error_feedback", "seed",
+            "key")
 
 
 def check_options(compressor: Any, options: Mapping[str, Any]) -> None:
-    """Options are codec options: none without a compressor.
+    """Options are codec options: none without a compressor, and only the codec's own
+    with one (UnknownOptionError naming the closest keyword otherwise).
 
     Example:
         >>> check_options(None, {"ratio": 0.1})
         Traceback (most recent call last):
         ...
-        gradcomm.errors.ConfigError: unknown options ['ratio'] (compressor options need compressor=...)
+        gradcomm.errors.UnknownOptionError: unknown options ['ratio'] (compressor options need compressor=...)
+        >>> check_options("topk", {"errorfeedback": False})
+        Traceback (most recent call last):
+        ...
+        gradcomm.errors.UnknownOptionError: compressor 'topk' has no option 'errorfeedback' (did you mean 'error_feedback'?); its options: ratio, k
     """
-    if compressor is None and options:
-        raise ConfigError(f"unknown options {sorted(options)} (compressor options need "
-                          "compressor=...)")
+    if compressor is not None:
+        compressors.check_options(compressor, options, also=KEYWORDS)
+        return
+    if "timeout" in options:
+        raise UnknownOptionError(
+            "timeout= is not an allreduce option: the deadline belongs to the transport; "
+            "pass comm=gradcomm.comm.get_transport(comm, timeout=...) (or set t.timeout "
+            "on a Transport)")
+    if options:
+        hint = "".join(closest(name, KEYWORDS) for name in sorted(options))
+        raise UnknownOptionError(f"unknown options {sorted(options)}{hint} (compressor "
+                                 "options need compressor=...)")
 
 
 def with_shape(compressor: Any, meta: Any, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -106,6 +127,11 @@ class Reduction:
         """
         options = dict(options or {})
         check_options(compressor, options)
+        if op not in OPS:
+            raise ConfigError(f"unknown op {op!r}{closest(op, OPS)}; known: {', '.join(OPS)}")
+        if compressor is not None and not exact_fallback and op not in ("sum", "mean"):
+            raise UnsupportedError(f"op={op!r} with a compressor: compressed allreduce "
+                                   "supports sum, mean; use compressor=None")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or
                                  not 0 <= seed < 2 ** 63):
             raise ConfigError(f"seed must be an integer in 0..2**63-1, got {seed!r}")
@@ -152,21 +178,24 @@ class Reduction:
 
     def run(self, t: Any, buf: Any, dtype: str, *, op: str | None = None,
             meta: arrays.Meta | None = None, residuals: ResidualStore | None = None,
-            key: str | None = None) -> Any:
+            key: str | None = None, problem: Exception | None = None) -> Any:
         """Reduce flat ``buf`` (logical ``dtype``) on transport ``t``; returns the result
         (``buf`` or a new flat buffer). ``meta``: the user's array, whose shape codecs
         that view their input by its shape (``uses_shape``) are given; ``residuals`` and
-        ``key``: error feedback and the step of ``key`` (compressed calls)."""
+        ``key``: error feedback and the step of ``key`` (compressed calls); ``problem``:
+        the caller's objection to this rank's call, raised on this rank before data moves
+        (the others learn of it from the cross-rank check)."""
         op = op or self.op
         if not self.compresses(dtype, op):
             check_options(self.compressor, self.options)
             algorithm = self.algorithm
             if self.exact_fallback and algorithm not in DENSE:   # e.g. allgather
                 algorithm = "auto"
-            return dense_allreduce(t, buf, op, dtype, algorithm, check=self.check)
+            return dense_allreduce(t, buf, op, dtype, algorithm, check=self.check,
+                                   problem=problem)
         options = self.options if meta is None else \
             with_shape(self.compressor, meta, self.options)
         return compressed_allreduce(t, buf, dtype, op=op, algorithm=self.algorithm,
                                     compressor=self.compressor or "none", check=self.check,
                                     seed=self.seed, residuals=residuals, key=key,
-                                    **options)
+                                    problem=problem, **options)

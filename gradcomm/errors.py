@@ -22,6 +22,18 @@ class ConfigError(GradcommError, ValueError):
     """An unknown name or an invalid option (algorithm, op, compressor, topology...)."""
 
 
+class UnknownNameError(ConfigError, KeyError):
+    """A name that is not in its registry (a compressor, ...): also a KeyError, as a
+    registry lookup raises."""
+
+    __str__ = Exception.__str__             # the message, not KeyError's repr of it
+
+
+class UnknownOptionError(ConfigError, TypeError):
+    """A keyword that the function or codec does not take: also a TypeError, as Python
+    raises for an unexpected keyword argument."""
+
+
 class UnsupportedError(GradcommError, NotImplementedError):
     """A valid request this combination cannot serve (e.g. op='max' with a compressor)."""
 

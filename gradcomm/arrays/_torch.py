@@ -58,6 +58,14 @@ class TorchBackend(Backend):
         return name
 
     def meta(self, x: Any) -> Meta:
+        import torch
+
+        if x.layout != torch.strided:
+            raise ConfigError(f"torch tensors of layout {x.layout} are unsupported: gradcomm "
+                              "reduces dense tensors (x.to_dense())")
+        if x.device.type == "meta":
+            raise ConfigError("a meta tensor has no data to reduce (materialise it first, "
+                              "e.g. with to_empty(device=...))")
         return Meta("torch", self._name(x), tuple(x.shape), str(x.device))
 
     def dtype_name(self, a: Any) -> str:

@@ -47,7 +47,7 @@ def algorithm(name: str) -> Callable[..., None]:
 
 
 def dense_allreduce(t: Transport, buf: Any, op: str, dtype: str, algorithm_name: str = "auto",
-                    *, check: bool | str = True) -> Any:
+                    *, check: bool | str = True, problem: Exception | None = None) -> Any:
     """Allreduce flat ``buf`` of logical ``dtype`` in place and return it.
 
     ``check``:
@@ -70,10 +70,13 @@ def dense_allreduce(t: Transport, buf: Any, op: str, dtype: str, algorithm_name:
     the inputs were finite, those elements are reduced again in float32 (every rank sees
     the same inf positions, so all take this second, small round or none do).
 
-    Invalid names raise :class:`~gradcomm.errors.ConfigError` on every rank.
+    Invalid names raise :class:`~gradcomm.errors.ConfigError` on every rank. ``problem``:
+    the caller's own objection to this rank's arguments (e.g. a read-only output), raised
+    on this rank before any data moves, while the ranks that had none learn from the
+    check that one did (MismatchError).
     """
     red: Reducer | None = None
-    problem: GradcommError | None = None
+    local, problem = problem, None
     try:
         red = reducer(op, dtype)
     except GradcommError as exc:
@@ -87,12 +90,20 @@ def dense_allreduce(t: Transport, buf: Any, op: str, dtype: str, algorithm_name:
     if check:
         if check is not True and check != "first":
             raise ConfigError(f"check must be True, False or 'first', got {check!r}")
-        fields = dict(count=int(buf.size), dtype=dtype, op=op, algorithm=algorithm_name)
-        ran = agree(t, "allreduce", once=check == "first" and algorithm_name != "native",
-                    **fields)
+        fields = dict(count=int(buf.size), dtype=dtype, op=op, algorithm=algorithm_name,
+                      valid=local is None)
+        try:
+            ran = agree(t, "allreduce", once=check == "first" and algorithm_name != "native",
+                        **fields)
+        except GradcommError:
+            if local is not None:
+                raise local from None
+            raise
         checked = checked or ran is not None
         if not checked:                     # skipped: the arguments travel in the tag
             tag = data_tag(t, "allreduce", **fields)
+    if local is not None:
+        raise local
     if problem is not None:
         raise problem
     assert red is not None

@@ -142,7 +142,9 @@ def agree(t: Transport, collective: str, *, once: bool = False,
     parts = []
     for i in bad:
         name, value = names[i], values[i]
-        if value is _HASHED:
+        if name == "valid":
+            parts.append("a rank's own checks rejected its arguments (that rank raises why)")
+        elif value is _HASHED:
             parts.append(f"{name} differs")
         elif value is _ABSENT:
             parts.append(f"{name} differs (some ranks passed more arguments)")

@@ -31,9 +31,14 @@ POWERSGD_ALGORITHMS = (*DENSE, *GATHER_ALGORITHMS, "auto")
 OPS = ("sum", "mean")
 
 
-def check_op(op: str, dtype: str, name: str) -> None:
-    """Raise unless a compressed allreduce (codec ``name``) can reduce ``dtype`` by ``op``."""
+def check_op(op: str, dtype: str, name: str, algorithm: str | None = None) -> None:
+    """Raise unless a compressed allreduce (codec ``name``) can reduce ``dtype`` by ``op``
+    (``algorithm``: a gather algorithm chosen without a codec, for the message)."""
     if op not in OPS:
+        if op in ("max", "min", "prod") and name == "none" and algorithm in GATHER_ALGORITHMS:
+            raise UnsupportedError(f"op={op!r} with algorithm={algorithm!r}: the gathered "
+                                   f"routes reduce {', '.join(OPS)} only; use a dense "
+                                   f"algorithm ({', '.join(DENSE)} or auto)")
         if op in ("max", "min", "prod"):
             raise UnsupportedError(f"op={op!r} with a compressor: compressed allreduce "
                                    f"supports {', '.join(OPS)}; use compressor=None")

@@ -55,7 +55,7 @@ def _is_powersgd(compressor: Any) -> bool:
 def compressed_allreduce(t: Transport, buf: Any, dtype: str, *, op: str, algorithm: str,
                          compressor: Any, check: bool = True, seed: int | None = None,
                          residuals: ResidualStore | None = None, key: str | None = None,
-                         **options: Any) -> Any:
+                         problem: Exception | None = None, **options: Any) -> Any:
     """Allreduce flat storage ``buf`` of logical ``dtype`` through ``compressor``.
 
     ``buf`` may be overwritten; the result (flat, storage dtype) is returned. ``residuals``
@@ -64,19 +64,20 @@ def compressed_allreduce(t: Transport, buf: Any, dtype: str, *, op: str, algorit
     compensated. ``seed``
     (default 0) seeds the stochastic codecs. PowerSGD also takes ``shape=`` / ``shapes=``
     (how the buffer is made of matrices) beside its codec options. Errors in the
-    arguments are raised on every rank (after the cross-rank check, when ``check``).
+    arguments are raised on every rank (after the cross-rank check, when ``check``);
+    ``problem``: the caller's own objection to this rank's arguments, raised like them.
     """
     low_rank = _is_powersgd(compressor)
     if low_rank and not arrays.is_host(buf):
         res = compressed_allreduce(t, arrays.host(buf).copy(), dtype, op=op,
                                    algorithm=algorithm, compressor=compressor, check=check,
-                                   seed=seed, residuals=residuals, key=key, **options)
+                                   seed=seed, residuals=residuals, key=key, problem=problem,
+                                   **options)
         arrays.assign(buf, arrays.like(res, buf))
         return buf
     shape = options.pop("shape", None) if low_rank else None
     shapes = options.pop("shapes", None) if low_rank else None
     key = "default" if key is None else key
-    problem: Exception | None = None
     codec: Compressor | None = None
     parts: list[powersgd.Part] = []
     name = compressor if isinstance(compressor, str) else getattr(compressor, "name", "?")
@@ -84,7 +85,7 @@ def compressed_allreduce(t: Transport, buf: Any, dtype: str, *, op: str, algorit
     try:
         codec = compressors.get(compressor, **options)
         name = codec.name
-        check_op(op, dtype, name)
+        check_op(op, dtype, name, algorithm)
         check_algorithm(algorithm, name, dense_rounds=low_rank)
         seed = check_seed(seed)
         key = check_key(key)
@@ -92,7 +93,7 @@ def compressed_allreduce(t: Transport, buf: Any, dtype: str, *, op: str, algorit
             assert isinstance(codec, PowerSGD)
             parts = powersgd.parts_of(n, key, codec, residuals, shape, shapes)
     except (GradcommError, KeyError, TypeError, ValueError) as exc:
-        problem = exc
+        problem = problem or exc
     step = next_step(t, _FAMILY[low_rank], residuals, key)
     compress, qs = False, []
     if low_rank and problem is None:

@@ -54,8 +54,10 @@ Example:
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import Any, Sequence
 
+from ..errors import UnknownNameError, UnknownOptionError
+from ._options import check_keywords, closest
 from .base import Compressor, Payload
 
 #: codec name -> (module under gradcomm.compressors, class defining it)
@@ -87,15 +89,41 @@ def _load(name: str) -> type[Compressor] | None:
 
 
 def get(name: str | Compressor, **options: Any) -> Compressor:
-    """A compressor by name with its options; an instance is returned as is."""
+    """A compressor by name with its options; an instance is returned as is.
+
+    An unknown name is an :class:`~gradcomm.errors.UnknownNameError` (a ConfigError and a
+    KeyError), an option the codec does not take an
+    :class:`~gradcomm.errors.UnknownOptionError` (a ConfigError and a TypeError); both
+    name what is known and the closest match.
+
+    Example:
+        >>> get("top-k")
+        Traceback (most recent call last):
+        ...
+        gradcomm.errors.UnknownNameError: unknown compressor 'top-k' (did you mean 'topk'?); known: none, fp16, bf16, int8, qsgd, terngrad, topk, randomk, onebit, powersgd
+    """
+    check_options(name, options)
     if isinstance(name, Compressor):
-        if options:
-            raise TypeError(f"options {sorted(options)} given with a Compressor instance")
         return name
-    cls = _load(name) if isinstance(name, str) and name in _CLASSES else None
-    if cls is None:
-        raise KeyError(f"unknown compressor {name!r}; known: {', '.join(names())}")
+    cls = _load(name)
+    assert cls is not None
     return cls(**options)
 
 
-__all__ = ["Compressor", "Payload", "get", "names"]
+def check_options(name: Any, options: Any, also: Sequence[str] = ()) -> None:
+    """Raise what :func:`get` raises for an unknown ``name`` or an option its codec does not
+    take, without building it; ``also``: names the caller takes beside the codec's (they
+    are suggested as closest matches, not accepted)."""
+    if isinstance(name, Compressor):
+        if options:
+            raise UnknownOptionError(f"options {sorted(options)} given with a Compressor "
+                                     f"instance ({name!r}): set them when creating it")
+        return
+    cls = _load(name) if isinstance(name, str) and name in _CLASSES else None
+    if cls is None:
+        raise UnknownNameError(f"unknown compressor {name!r}{closest(name, _CLASSES)}; "
+                               f"known: {', '.join(names())}")
+    check_keywords(f"compressor {name!r}", options, cls.options, also)
+
+
+__all__ = ["Compressor", "Payload", "check_options", "get", "names"]

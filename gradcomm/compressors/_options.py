@@ -11,13 +11,47 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import difflib
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
 from .._dtypes import CODES
-from ..errors import ConfigError
+from ..errors import ConfigError, UnknownOptionError
 from .payload import FLOAT_DTYPES
+
+
+def closest(name: Any, known: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the known name closest to ``name`` (ignoring case),
+    else ``""``.
+
+    Example:
+        >>> closest("ration", ["ratio", "k"]), closest("zzz", ["ratio"])
+        (" (did you mean 'ratio'?)", '')
+    """
+    by_lower = {k.lower(): k for k in known}
+    near = difflib.get_close_matches(str(name).lower(), list(by_lower), n=1, cutoff=0.6)
+    return f" (did you mean {by_lower[near[0]]!r}?)" if near else ""
+
+
+def check_keywords(owner: str, given: Iterable[str], known: Sequence[str],
+                   also: Sequence[str] = ()) -> None:
+    """UnknownOptionError naming the first of ``given`` that ``owner`` does not take,
+    its options (``known``) and the closest of ``known`` + ``also`` (names the caller
+    takes beside them, such as ``error_feedback``).
+
+    Example:
+        >>> check_keywords("compressor 'topk'", ["ration"], ("ratio", "k"))
+        Traceback (most recent call last):
+        ...
+        gradcomm.errors.UnknownOptionError: compressor 'topk' has no option 'ration' (did you mean 'ratio'?); its options: ratio, k
+    """
+    for name in given:
+        if name not in known:
+            opts = ", ".join(known) if known else "none"
+            raise UnknownOptionError(f"{owner} has no option {name!r}"
+                                     f"{closest(name, (*known, *also))}; its options: {opts}")
+
 
 def positive_int(name: str, value: Any, low: int = 1, high: int | None = None) -> int:
     """Validate an integer option."""

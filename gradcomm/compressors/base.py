@@ -89,6 +89,9 @@ class Compressor(ABC):
     uses_shape: ClassVar[bool] = False
     #: steps of a key sent uncompressed before compression starts
     start_iter: int = 0
+    #: the keyword options ``__init__`` takes (``get(name, **options)`` checks names
+    #: against these before building the codec)
+    options: ClassVar[tuple[str, ...]] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

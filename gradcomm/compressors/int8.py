@@ -56,6 +56,8 @@ class Bucketed(Compressor):
     """A codec whose one option is ``bucket_size`` (a multiple of 8; each subclass names
     its default in ``__init__``)."""
 
+    options = ("bucket_size",)
+
     def __init__(self, bucket_size: int) -> None:
         self.bucket_size = bucket_option(bucket_size)
 
@@ -65,6 +67,8 @@ class Bucketed(Compressor):
 
 class Int8Compressor(Compressor):
     """Uniform quantizer: per-bucket min/max levels, or symmetric levels of a shared scale."""
+
+    options = ("bits", "bucket_size", "rounding", "scale")
 
     name = "int8"
     reduction = "gathered"

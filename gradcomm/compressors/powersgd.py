@@ -184,6 +184,8 @@ def product(pt: np.ndarray, qt: np.ndarray, lay: Layout, out: np.ndarray) -> np.
 class PowerSGD(Compressor):
     """Rank-``rank`` PowerSGD; as a codec, one power iteration from a seeded ``Q``."""
 
+    options = ("rank", "min_compression_rate", "start_iter", "warm_start")
+
     name = "powersgd"
     #: P and Q of several ranks add up (the collective sums them; see the module doc)
     reduction = "summable"

@@ -43,6 +43,8 @@ def code_bits(levels: int) -> int:
 class QSGDCompressor(Compressor):
     """Unbiased stochastic quantization to ``levels`` levels of the bucket's L2 norm."""
 
+    options = ("levels", "bits", "bucket_size")
+
     name = "qsgd"
     reduction = "gathered"
     reuses_out = True

@@ -66,6 +66,8 @@ class KeepsK(Compressor):
     (:func:`k_options`). Error feedback and the round trip are applied in its own pass
     (no decoding), and decoding scatters (``add=True``: scatter-adds)."""
 
+    options = ("ratio", "k")
+
     reuses_out = True
     fuses_feedback = True
     decodes_add = True

@@ -30,7 +30,8 @@ from gradcomm.compressed.wire import CompressedWire
 from gradcomm.comm import run_ranks
 from gradcomm.compressors.base import Compressor
 from gradcomm.error_feedback import ErrorFeedback, contractive
-from gradcomm.errors import ConfigError, MismatchError, PayloadError, UnsupportedError
+from gradcomm.errors import (ConfigError, MismatchError, PayloadError, UnknownNameError,
+                             UnsupportedError)
 from tests._grid import Grid
 
 pytestmark = pytest.mark.timeout(300)
@@ -360,7 +361,7 @@ def test_ops_dtypes_algorithms_refused_on_every_rank() -> None:
              ({"dtype": "int32"}, UnsupportedError, "floating"),
              ({"algorithm": "native"}, UnsupportedError, "ring, tree"),
              ({"algorithm": "star"}, ConfigError, "rabenseifner"),
-             ({"compressor": "nope"}, KeyError, "known"),
+             ({"compressor": "nope"}, UnknownNameError, "known"),
              ({"seed": -1}, ConfigError, "seed")]
     for kw, exc, text in cases:
         for name, msg in run_ranks(3, lambda t: fn(t, **kw)):

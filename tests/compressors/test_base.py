@@ -110,3 +110,15 @@ def test_declarations_are_checked_when_the_class_is_made() -> None:
         type("Bad", (_Plain,), {"name": "bad", "reduction": "added"})
     with pytest.raises(TypeError, match="sparse_pairs without sparse"):
         type("Bad", (_Plain,), {"name": "bad", "sparse_pairs": True})
+
+
+@pytest.mark.parametrize("name", names())
+def test_declared_options_are_the_init_keywords(name: str) -> None:
+    """``options`` (what get() checks names against) lists exactly what __init__ takes."""
+    import inspect
+
+    cls = compressors._load(name)
+    assert cls is not None
+    params = [] if cls.__init__ is object.__init__ else \
+        [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+    assert sorted(cls.options) == sorted(params), name

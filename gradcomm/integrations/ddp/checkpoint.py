@@ -77,6 +77,10 @@ def restore(state: Mapping[str, Any], p_new: int, rank: int) -> ParameterResidua
     if state.get("version") != STATE_VERSION:
         raise ConfigError(f"DDP comm-hook state version {state.get('version')!r}, this "
                           f"gradcomm reads {STATE_VERSION}")
+    missing = [k for k in ("ranks", "world_size", "iter") if k not in state]
+    if missing:
+        raise ConfigError(f"DDP comm-hook state lacks {', '.join(missing)}: it was saved "
+                          "incompletely or edited (state_dict() writes them all)")
     ranks = state["ranks"]
     if not isinstance(ranks, list) or len(ranks) != state["world_size"]:
         raise ConfigError(f"state holds {len(ranks)} ranks' residuals for world size "

@@ -417,7 +417,7 @@ def rank_main(args: argparse.Namespace) -> int:
             data = load_data(data_kind, args.seed)
             todo, skipped = [], []
             for text in variants.split(","):
-                v = parse_variant(text)
+                v = _fsdp().parse_fsdp_variant(text) if args.fsdp else parse_variant(text)
                 if v["kind"] == "gc" and v["codec"] != "none" and known is not None and \
                         v["codec"] not in known:
                     skipped.append(f"{text} (codec not available yet)")
@@ -429,7 +429,9 @@ def rank_main(args: argparse.Namespace) -> int:
                 for v in todo:
                     dist.barrier()
                     t0 = time.perf_counter()
-                    row = train_variant(v, args, data, rank, world)
+                    row = (_fsdp().train_fsdp_variant(v, args, data, rank, world, make_model,
+                                                      nic_bytes)
+                           if args.fsdp else train_variant(v, args, data, rank, world))
                     row["wall_s"] = time.perf_counter() - t0
                     row["repeat"] = rep
                     run.append(row)
@@ -443,13 +445,15 @@ def rank_main(args: argparse.Namespace) -> int:
                 continue
             rows = merge_runs(runs) if todo else []
             summary = summarize(rows, args.report_variant if name == "main"
-                                else "gc-topk:ratio=0.01")
+                                else "gc-topk:ratio=0.01") if not args.fsdp else \
+                _fsdp().summarize_fsdp(rows, args.report_variant)
             header = (f"# bench/train.py [{name}]: {world} ranks, link "
                       f"{(str(int(rate) / 1e9) + ' Gbit/s') if rate else 'not emulated'}, "
                       f"data {data_kind}, MLP 64-{args.width}x{args.depth}-10, batch "
                       f"{args.batch}/rank, {args.steps} steps ({args.warmup} untimed) x "
                       f"{args.repeats} repeats (interleaved), hooks' "
-                      f"transport {args.hook_transport}; load {os.getloadavg()[0]:.2f} on "
+                      f"transport {args.hook_transport}{'; FSDP2' if args.fsdp else ''}; "
+                      f"load {os.getloadavg()[0]:.2f} on "
                       f"{os.cpu_count()} cpus")
             print_table(rows, summary, header)
             if skipped:
@@ -467,6 +471,13 @@ def rank_main(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------ launcher
+def _fsdp():
+    sys.path.insert(0, str(HERE))
+    import train_fsdp  # bench/train_fsdp.py: the --fsdp variants
+
+    return train_fsdp
+
+
 def _netns():
     sys.path.insert(0, str(HERE))
     import netns  # bench/netns.py
@@ -541,10 +552,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per collective")
     ap.add_argument("--json", default=None, help="write rows and summary here (rank 0)")
+    ap.add_argument("--fsdp", action="store_true",
+                    help="FSDP2 (fully_shard) instead of DDP: variants fsdp, fsdp-bf16, "
+                         "fsdp-gc-<codec> (bench/train_fsdp.py)")
     ap.add_argument("--_rank", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.fsdp:
+        if args.variants == DEFAULT_VARIANTS:
+            args.variants = _fsdp().FSDP_VARIANTS
+        if args.report_variant == "gc-topk:ratio=0.01":
+            args.report_variant = _fsdp().FSDP_REPORT
+        args.ablation = "none"
     for text in args.variants.split(","):
-        parse_variant(text)      # fail early, before any rank starts
+        _fsdp().parse_fsdp_variant(text) if args.fsdp else parse_variant(text)  # fail early
     if args.warmup >= args.steps:
         ap.error("--warmup must be smaller than --steps")
     if args.repeats < 1:

@@ -1,18 +1,25 @@
-"""The allreduce targets of issue 6, measured in one command over emulated links.
+"""The allreduce targets of issues 6 and 12, measured in one command over emulated links.
 
-For each rate: make 2 rank namespaces joined by a tbf-capped link (bench/netns.py), show
-the cap holds (one dense socket transfer each way), then run ``python -m gradcomm.bench``
-under mpirun (btl tcp over the capped link) at one size with the native
-``MPI_Allreduce`` baseline and every compressor, and report
-``native dense time / gradcomm compressed time`` (mean over the timed calls, as the
-bench's busbw) next to its target, for each compressor with error feedback (the DDP hook's
-default; codecs error feedback does not apply to: without) and, for reference, without::
+For each rate: make ``--np`` rank namespaces (2: one direct link; more: a switch, every
+NIC capped) joined by tbf-capped links (bench/netns.py), show the cap holds (one dense
+socket transfer per link), then run ``python -m gradcomm.bench`` under mpirun (btl tcp
+over the capped links) at one size with the native ``MPI_Allreduce`` baseline, gradcomm's
+dense ``ring`` and every compressor, all interleaved in one run, and report
+``native dense time / gradcomm time`` (mean over the timed calls, as the bench's busbw)
+next to its target, with the link utilisation of each row (the bench's link(%): bytes a
+rank sent over what its link carries in that time), for each compressor with error
+feedback (the DDP hook's default; codecs error feedback does not apply to: without) and,
+for reference, without::
 
     python bench/targets.py                         # 1 and 10 Gbit/s, 100 MB, 2 ranks
     python bench/targets.py --rates 1gbit --iters 10 --json bench/targets.json
+    python bench/targets.py --rates 1gbit --np 4    # ring and tree off p = 2 (a switch)
+    python bench/targets.py --rates 1gbit --ddp     # and DDP's hooks (bench/train.py)
 
-Targets: at 1 Gbit/s int8 >= 3.5, onebit >= 15, topk (1 %) >= 20; at 10 Gbit/s every
-compressor >= 1.5. A target is only called met when the link check held (``ok``), the
+Targets: at 1 Gbit/s dense ring >= 0.95, fp16 (ring) >= 1.85, int8 >= 3.5, onebit >= 15,
+topk (1 %) >= 20; at 10 Gbit/s every compressor >= 1.5. ``--ddp`` adds one line per
+DDP hook (``bench/train.py`` on the same link: step time, bytes per step, link
+utilisation). A target is only called met when the link check held (``ok``), the
 benchmark exited 0 and the row's ``#wrong`` is 0 (every timed call checked against the
 exact replay); the script exits 1 otherwise. At least 10 timed calls per row (``--iters``,
 split over ``--rounds``). Needs root (namespaces) and a quiet machine: the ratio at
@@ -36,14 +43,20 @@ MIN_ITERS = 10
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import netns  # noqa: E402  (bench/netns.py)
 
-#: (rate, compressor spec as gradcomm.bench takes it) -> minimum ratio
+#: (rate, compressor spec as gradcomm.bench takes it) -> minimum ratio; "*": every
+#: compressor (not the dense row)
 TARGETS: dict[str, dict[str, float]] = {
-    "1gbit": {"int8": 3.5, "onebit": 15.0, "topk:ratio=0.01": 20.0},
+    "1gbit": {"none@ring": 0.95, "fp16@ring": 1.85, "int8": 3.5, "onebit": 15.0,
+              "topk:ratio=0.01": 20.0},
     "10gbit": {"*": 1.5},
 }
+#: measured at every rate: gradcomm's dense ring (against the native allreduce)
+DENSE = ("none@ring",)
 #: every compressor at 10 Gbit/s, with the options the issue implies
 ALL_COMPRESSORS = ("fp16", "bf16", "int8", "qsgd", "terngrad", "onebit", "topk:ratio=0.01",
                    "randomk:ratio=0.01")
+#: the DDP hooks --ddp compares (bench/train.py variants)
+DDP_VARIANTS = "ddp,torch-fp16,gc-fp16,gc-int8,gc-onebit,gc-topk:ratio=0.01"
 
 
 def compressor_specs(rate: str, requested: str | None) -> list[str]:
@@ -51,34 +64,50 @@ def compressor_specs(rate: str, requested: str | None) -> list[str]:
     if requested:
         specs = requested.split(",")
     else:
-        specs = list(ALL_COMPRESSORS)
+        specs = list(DENSE) + list(ALL_COMPRESSORS)
         specs += [k for k in TARGETS.get(rate, {}) if k != "*" and k not in specs]
     try:
         from gradcomm import compressors
 
-        have = set(compressors.names())
+        have = set(compressors.names()) | {"none"}
     except Exception:   # noqa: BLE001 - report what we can
-        have = set()
-    return [s for s in specs if s.split(":")[0] in have]
+        have = {"none"}
+    return [s for s in specs if s.split("@")[0].split(":")[0] in have]
 
 
 def target_for(rate: str, spec: str) -> float | None:
+    """The target ratio of ``spec`` at ``rate`` (the dense row only by its own entry).
+
+    Example:
+        >>> target_for("10gbit", "int8"), target_for("10gbit", "none@ring")
+        (1.5, None)
+        >>> target_for("1gbit", "fp16@ring"), target_for("1gbit", "bf16")
+        (1.85, None)
+    """
     t = TARGETS.get(rate, {})
+    if spec.split("@")[0].split(":")[0] == "none":
+        return t.get(spec)
     return t.get(spec, t.get("*"))
 
 
 def label_matches(row: dict[str, Any], spec: str, ef: bool | None = None) -> bool:
-    """Does a gradcomm.bench row belong to compressor ``spec`` (``name:key=value``)?
-    ``ef``: with (True) / without (False) error feedback, or either (None).
+    """Does a gradcomm.bench row belong to compressor ``spec`` (``name:key=value``, with
+    ``@algorithm`` when pinned to one)? ``ef``: with (True) / without (False) error
+    feedback, or either (None).
 
     Example:
         >>> row = {"compressor": "topk", "label": "auto+topk,ratio=0.01+ef",
-        ...        "error_feedback": True}
+        ...        "error_feedback": True, "algorithm": "auto"}
         >>> label_matches(row, "topk:ratio=0.01"), label_matches(row, "topk:ratio=0.01", False)
         (True, False)
+        >>> label_matches(row, "topk:ratio=0.01@ring")
+        False
     """
+    spec, _, alg = spec.partition("@")
     name, *opts = spec.split(":")
     if ef is not None and bool(row.get("error_feedback")) != ef:
+        return False
+    if alg and row.get("algorithm") != alg:
         return False
     if name in ("none", "dense"):
         return (row.get("compressor") is None and row.get("check") is not None
@@ -118,9 +147,10 @@ def verdict(ratio: float | None, target: float | None, link_ok: bool, bench_rc: 
 
 def run_rate(rate: str, args: argparse.Namespace) -> dict[str, Any]:
     specs = compressor_specs(rate, args.compressors)
-    out: dict[str, Any] = {"rate": rate, "size": args.size, "compressors": specs, "rows": [],
+    out: dict[str, Any] = {"rate": rate, "np": args.np, "size": args.size,
+                           "compressors": specs, "rows": [],
                            "load_before": os.getloadavg()[0]}
-    with netns.Network(2, rate) as net:
+    with netns.Network(args.np, rate) as net:
         print(f"## {rate}: {net.describe()}", flush=True)
         cap = netns.check(net, vias=("socket",), repeat=1)
         out["cap_check"] = cap
@@ -138,6 +168,9 @@ def run_rate(rate: str, args: argparse.Namespace) -> dict[str, Any]:
                    "--iters", str(args.iters), "--min-iters", str(args.iters),
                    "--warmup", str(args.warmup), "--rounds", str(args.rounds),
                    "--json", path, "--no-progress"]
+            if any(sp.startswith("none@") for sp in specs):
+                cmd += ["--report-variant", next(sp for sp in specs
+                                                 if sp.startswith("none@")).split("@")[1]]
             rc = 0
             try:
                 net.run(cmd, launcher="mpi", timeout=args.timeout)
@@ -160,7 +193,10 @@ def run_rate(rate: str, args: argparse.Namespace) -> dict[str, Any]:
     if base is None or not base.get("avg_us"):
         print("   no native baseline row in the benchmark output", flush=True)
         return out
-    print(f"   native dense ({base['label']}): mean {base['avg_us'] / 1e3:.1f} ms  (load "
+    blink = (base.get("extra") or {}).get("link_pct")
+    out["native_link_pct"] = blink
+    print(f"   native dense ({base['label']}): mean {base['avg_us'] / 1e3:.1f} ms"
+          f"{'' if blink is None else f', link {blink:.1f} %'}  (load "
           f"{out['load_before']:.2f} before, {out['load_after']:.2f} after)", flush=True)
     for spec in specs:
         for ef in (True, False):
@@ -183,14 +219,50 @@ def run_rate(rate: str, args: argparse.Namespace) -> dict[str, Any]:
                        "mean_ms": row["avg_us"] / 1e3, "native_mean_ms": base["avg_us"] / 1e3,
                        "ratio": ratio, "target": target, "met": met, "why": why,
                        "wrong": row.get("wrong"), "spread_pct": row.get("spread_pct"),
-                       "wire_bytes": row.get("wire_bytes"), "rel_err": row.get("rel_err")}
+                       "wire_bytes": row.get("wire_bytes"), "rel_err": row.get("rel_err"),
+                       "link_pct": (row.get("extra") or {}).get("link_pct")}
             out["rows"].append(res)
             r = res["ratio"]
             tag = "" if res["met"] is None else ("met" if res["met"] else "MISSED")
+            link = res.get("link_pct")
             print(f"   {spec + ('+ef' if ef else ''):25s} {'' if r is None else f'{r:7.2f}x'}"
+                  f"  {'' if link is None else f'link {link:5.1f} %'}"
                   f"  target {'-' if target is None else f'>= {target}'}  {tag}"
                   f"{'  (' + res.get('why', '') + ')' if res.get('why') else ''}"
                   f"{'  ' + res.get('note', '') if r is None else ''}", flush=True)
+    return out
+
+
+def run_ddp(rate: str, args: argparse.Namespace) -> dict[str, Any]:
+    """bench/train.py on the same link (its own namespaces): each DDP hook's step time,
+    bytes per step and link utilisation, one line per hook."""
+    out: dict[str, Any] = {"rate": rate, "load_before": os.getloadavg()[0]}
+    here = Path(__file__).resolve().parent
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "train.json")
+        cmd = [sys.executable, str(here / "train.py"), "--rate", rate, "--np", str(args.np),
+               "--variants", args.ddp_variants, "--steps", str(args.ddp_steps),
+               "--repeats", str(args.ddp_repeats), "--ablation", "none",
+               "--report-variant", "gc-onebit", "--json", path]
+        import subprocess
+
+        out["rc"] = subprocess.run(cmd, timeout=args.timeout).returncode
+        if not os.path.exists(path):
+            print(f"   DDP: bench/train.py wrote no results (exit {out['rc']})", flush=True)
+            return out
+        with open(path) as f:
+            doc = json.load(f)
+    out["load_after"] = os.getloadavg()[0]
+    rows = doc["sections"][0]["rows"] if doc.get("sections") else []
+    out["rows"] = rows
+    for r in rows:
+        mb = r["tx_bytes_per_step"] if r["tx_bytes_per_step"] is not None else \
+            r["hook_bytes_sent_per_step"]
+        link = r.get("link_pct")
+        print(f"   DDP {r['variant']:24s} {1e3 * r['step_s_mean']:7.1f} ms/step  "
+              f"{'-' if mb is None else f'{mb / 1e6:.2f}'} MB/step  "
+              f"link {'-' if link is None else f'{link:.1f}'} %  acc "
+              f"{100 * r['test_acc']:.2f} %", flush=True)
     return out
 
 
@@ -206,6 +278,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5,
                     help="rounds the variants take turns in (default 5)")
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--np", type=int, default=2,
+                    help="ranks: 2 share one link; more meet at a switch (default 2)")
+    ap.add_argument("--ddp", action="store_true",
+                    help="also train with each DDP hook on the link (bench/train.py)")
+    ap.add_argument("--ddp-variants", default=DDP_VARIANTS)
+    ap.add_argument("--ddp-steps", type=int, default=120)
+    ap.add_argument("--ddp-repeats", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=1800.0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -215,7 +294,12 @@ def main(argv: list[str] | None = None) -> int:
     if why:
         print(f"targets: {why}", file=sys.stderr)
         return 2
-    results = [run_rate(rate, args) for rate in args.rates.split(",")]
+    results = []
+    for rate in args.rates.split(","):
+        res = run_rate(rate, args)
+        if args.ddp:
+            res["ddp"] = run_ddp(rate, args)
+        results.append(res)
     missed = [f"{r['rate']} {x['compressor']}{'+ef' if x.get('error_feedback') else ''}"
               for r in results for x in r["rows"] if x["met"] is False]
     missed += [f"{r['rate']} link check" for r in results if not r.get("link_ok")]

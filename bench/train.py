@@ -358,20 +358,41 @@ def summarize(rows: list[dict[str, Any]], report_variant: str = "gc-topk:ratio=0
     return out
 
 
+def add_link_utilisation(rows: list[dict[str, Any]], rate_bps: float | None) -> None:
+    """``row["link_pct"]``: the bytes a rank put on its link per step (NIC counter, else
+    the hook's own count) over what the link carries in the mean step time, in percent;
+    None without an emulated rate.
+
+    Example:
+        >>> rows = [{"step_s_mean": 0.1, "tx_bytes_per_step": 6.25e6,
+        ...          "hook_bytes_sent_per_step": None}]
+        >>> add_link_utilisation(rows, 1e9); rows[0]["link_pct"]
+        50.0
+    """
+    for r in rows:
+        mb = r["tx_bytes_per_step"] if r["tx_bytes_per_step"] is not None else \
+            r["hook_bytes_sent_per_step"]
+        r["link_pct"] = (mb * 8 / (r["step_s_mean"] * rate_bps) * 100
+                         if rate_bps and mb is not None and r["step_s_mean"] else None)
+
+
 def print_table(rows: list[dict[str, Any]], summary: dict[str, Any], header: str) -> None:
     print(header)
     cols = (f"{'variant':30s} {'step ms':>8s} {'min-max ms':>15s} {'p50 ms':>8s} {'MB/step':>8s} "
-            f"{'acc %':>6s} {'Δacc':>6s} {'vs fp16':>7s} {'vs ddp':>7s} {'loss':>7s} same")
+            f"{'link %':>6s} {'acc %':>6s} {'Δacc':>6s} {'vs fp16':>7s} {'vs ddp':>7s} "
+            f"{'loss':>7s} same")
     print(cols)
     for r in rows:
         mb = r["tx_bytes_per_step"] if r["tx_bytes_per_step"] is not None else \
             r["hook_bytes_sent_per_step"]
         mbs = f"{mb / 1e6:8.2f}" if mb is not None else f"{'-':>8s}"
+        link = r.get("link_pct")
+        links = f"{link:6.1f}" if link is not None else f"{'-':>6s}"
         spread = f"{1e3 * r.get('step_s_min', r['step_s_mean']):.1f}-" \
                  f"{1e3 * r.get('step_s_max', r['step_s_mean']):.1f}"
         print(f"{r['variant']:30s} {1e3 * r['step_s_mean']:8.1f} {spread:>15s} "
               f"{1e3 * r['step_s_p50']:8.1f} "
-              f"{mbs} {100 * r['test_acc']:6.2f} {r.get('acc_gap_pts', 0):+6.2f} "
+              f"{mbs} {links} {100 * r['test_acc']:6.2f} {r.get('acc_gap_pts', 0):+6.2f} "
               f"{_x(r.get('speedup_vs_torch_fp16'))} {_x(r.get('speedup_vs_ddp'))} "
               f"{r['train_loss']:7.4f} "
               f"{'yes' if r['replicas_identical'] else 'NO'}")
@@ -444,6 +465,7 @@ def rank_main(args: argparse.Namespace) -> int:
             if rank != 0:
                 continue
             rows = merge_runs(runs) if todo else []
+            add_link_utilisation(rows, int(rate) if rate else None)
             summary = summarize(rows, args.report_variant if name == "main"
                                 else "gc-topk:ratio=0.01") if not args.fsdp else \
                 _fsdp().summarize_fsdp(rows, args.report_variant)

@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--algorithms", help="comma-separated: ring, tree, recursive_doubling, "
                    "rabenseifner, native, auto (default: every dense algorithm available)")
     p.add_argument("--compressors", default="none", help="comma-separated codec names with "
-                   "options as name:key=value, e.g. none,int8,topk:ratio=0.01 (default none)")
+                   "options as name:key=value, e.g. none,int8,topk:ratio=0.01 (default none); "
+                   "name@algorithm measures that one with that algorithm only (none@ring)")
     p.add_argument("--dtype", default="float32", help="float32 (default), float64, float16, "
                    "bfloat16, int8, int16, int32, int64, uint8")
     p.add_argument("--op", default="sum", choices=("sum", "mean", "max", "min", "prod"))

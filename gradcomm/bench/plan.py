@@ -6,6 +6,11 @@
 Example:
     >>> parse_compressor("topk:ratio=0.01")
     ('topk', (('ratio', 0.01),))
+    >>> from gradcomm.bench.cli import build_parser
+    >>> args = build_parser().parse_args(["--compressors", "none@ring,int8",
+    ...                                   "--algorithms", "auto"])
+    >>> [v.label for v in make_plan(args, None).variants]
+    ['ring', 'auto+int8', 'auto+int8+ef']
     >>> parse_rate("1gbit"), parse_rate("2.5g"), parse_rate("100mbit")
     (1000000000, 2500000000, 100000000)
 """
@@ -132,8 +137,17 @@ def make_plan(args: argparse.Namespace, baseline: str | None) -> Plan:
                 raise ConfigError(f"algorithm {a!r} is not available in this installation")
     else:
         algos = [a for a in have if a != "native"] + ["native"]
-    comps = [parse_compressor(c) for c in args.compressors.split(",") if c.strip()] or \
-        [(None, ())]
+    # "spec@algorithm" measures that compressor with that algorithm only
+    pinned: list[str | None] = []
+    comps = []
+    for c in (c for c in args.compressors.split(",") if c.strip()):
+        spec, at, alg = c.partition("@")
+        if at and alg not in (*DENSE, "auto"):
+            raise ConfigError(f"unknown algorithm {alg!r} in --compressors {c!r}")
+        comps.append(parse_compressor(spec))
+        pinned.append(alg if at else None)
+    if not comps:
+        comps, pinned = [(None, ())], [None]
     known = compressors.names()
     for name, _ in comps:
         if name is not None and name not in known:
@@ -146,8 +160,8 @@ def make_plan(args: argparse.Namespace, baseline: str | None) -> Plan:
     variants: list[Variant] = []
     if baseline and not args.no_baseline:
         variants.append(Variant(baseline, baseline=True))
-    for name, opts in comps:
-        for a in algos:
+    for (name, opts), alg in zip(comps, pinned):
+        for a in ([alg] if alg else algos):
             if a in _BASELINES:
                 if a == baseline and Variant(a, baseline=True) not in variants:
                     variants.append(Variant(a, baseline=True))

@@ -45,7 +45,7 @@ TAG_USER = 100
 PIPELINE_CHUNK = 512 * 1024
 #: what the MPI and torch transports use (they may run over a network): receives posted
 #: ahead, in bytes per peer, and the largest message of a pipelined dense collective
-NETWORK_WINDOW = 32 << 20
+NETWORK_WINDOW = 64 << 20
 NETWORK_MAX_CHUNK = 16 << 20
 
 

@@ -16,6 +16,7 @@ from typing import Any, Mapping
 from . import arrays
 from ._plan import Reduction
 from .comm import get_transport
+from .compressed.guard import DEFAULT_BOUND, Guard
 from .errors import ConfigError
 
 
@@ -103,6 +104,13 @@ class Allreduce:
         check: verify the arguments agree across ranks at every call (``"first"``:
             dense sums check only the first call with given arguments, see
             :func:`allreduce`).
+        guard: the divergence guard (:mod:`gradcomm.compressed.guard`): after a call
+            that left a non-finite value, or a residual norm above ``residual_bound``
+            times the largest input norm seen for the key, on any rank, every rank resets
+            the key's residuals and codec state (``self.guard.stats`` counts it, with a
+            GuardWarning). One 4-byte allreduce per compressed call; only where there is
+            state (error feedback on, or PowerSGD).
+        residual_bound: see ``guard`` (None: only non-finite values reset).
 
     Codecs that view their input by its shape (``uses_shape``: powersgd) get ``x``'s
     shape when ``x`` has two or more dimensions (PowerSGD: the ``(shape[0], rest)``
@@ -125,7 +133,8 @@ class Allreduce:
 
     def __init__(self, comm: Any = None, *, op: str = "mean", algorithm: str = "auto",
                  compressor: Any = None, error_feedback: bool = True, seed: int = 0,
-                 check: bool | str = True, **options: Any) -> None:
+                 check: bool | str = True, guard: bool = True,
+                 residual_bound: float | None = DEFAULT_BOUND, **options: Any) -> None:
         from .error_feedback import ErrorFeedback, ErrorFeedbackWarning, contractive
 
         check = check if check == "first" else bool(check)
@@ -143,6 +152,9 @@ class Allreduce:
                           "error_feedback=False to silence this", ErrorFeedbackWarning,
                           stacklevel=2)
         self.error_feedback = ErrorFeedback(enabled=bool(error_feedback) and stable)
+        #: the divergence guard (None if off, or if there is no state to poison)
+        self.guard = Guard(residual_bound) if guard and lossy and (
+            self.error_feedback.enabled or self.compressor.name == "powersgd") else None
         self._transport: Any = None
 
     @property
@@ -157,11 +169,17 @@ class Allreduce:
         t = self.transport
         buf, meta = self.plan.flat(x, t)
         compressed = self.plan.compresses(meta.dtype)  # (a sparse gradient may go
-        buf = self.plan.run(t, buf, meta.dtype, meta=meta,   # uncompressed through
+        guard = self.guard if compressed else None      # uncompressed through
+        if guard is not None:                           # sparse_allgather)
+            guard.observe(key, buf)
+        buf = self.plan.run(t, buf, meta.dtype, meta=meta,
                             residuals=self.error_feedback if compressed else None,
-                            key=key if compressed else None)   # sparse_allgather)
+                            key=key if compressed else None)
         if not compressed:
             self.error_feedback.advance(key)
+        elif guard is not None and guard.check(t, key, self.error_feedback.residuals_of(key),
+                                               buf):
+            self.error_feedback.clear(key)
         return arrays.from_flat(buf, meta)
 
     def _signature(self) -> str:

@@ -185,6 +185,15 @@ class ErrorFeedback:
             del self._extras[name]
         self._steps.pop(key, None)
 
+    def clear(self, key: str) -> None:
+        """Zero ``key``'s residual and its hops' and drop its codec state (steps are kept:
+        they seed the codecs alike on every rank); what the divergence guard does."""
+        for name in [n for n in self._residuals if n == key or
+                     n.startswith(key + HOP_SEP)]:
+            arrays.assign(self._residuals[name], 0.0)
+        for name in [n for n in self._extras if n == key or n.startswith(key + HOP_SEP)]:
+            del self._extras[name]
+
     def names(self) -> Iterator[str]:
         """Names of the stored residuals (keys and ``key#hop`` entries)."""
         return iter(sorted(self._residuals))

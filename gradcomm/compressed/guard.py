@@ -1,0 +1,156 @@
+"""The divergence guard: one bad step must not poison error feedback for ever.
+
+Error feedback carries what a step's codec dropped into the next step. A non-finite
+gradient on one rank (an overflowing AMP step, a bad batch) therefore stays in that
+rank's residual, and in every rank's per-hop residuals and PowerSGD's warm-start ``Q``,
+and every later step is non-finite too. A residual that grows without bound (a codec or
+step size error feedback cannot hold) ends the same way, more slowly.
+
+After each compressed reduction of a key, :meth:`Guard.check` looks at this rank's
+residuals of the key (non-finite, or a norm above ``bound`` times the largest input
+norm this rank has seen for the key in earlier steps) and at the reduced result (non-finite: the same on
+every rank). The ranks then agree with one 4-byte max-allreduce, so **every rank takes
+the same decision**, even when only one of them saw the NaN: the residuals of the key
+(its own, its hops', and its codec state such as PowerSGD's ``Q``) are **reset to zero**
+on every rank, a :class:`GuardWarning` is issued and ``stats["guard_resets"]`` counts it
+(``guard_nonfinite`` / ``guard_over_bound`` say why). The step's result itself is left as
+the codec produced it: a non-finite gradient gives a non-finite result, which is what
+AMP's ``GradScaler`` looks for to skip the step; the next, clean steps are finite.
+
+Resetting was chosen over redoing the step uncompressed: a dense sum of a NaN is NaN
+too, and a reset costs nothing on the wire. The guard runs only where there is state to
+poison (error feedback on, or a stateful codec: PowerSGD).
+
+Example:
+    >>> import numpy as np
+    >>> from gradcomm.comm import run_ranks
+    >>> def fn(t):
+    ...     g = Guard()
+    ...     e = np.array([np.nan if t.rank == 0 else 1.0], np.float32)
+    ...     g.observe("w", np.ones(1, np.float32))
+    ...     return g.check(t, "w", [e], np.ones(1, np.float32)), g.stats["guard_resets"]
+    >>> run_ranks(2, fn)
+    [('nonfinite', 1), ('nonfinite', 1)]
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..comm.base import Transport
+from ..errors import ConfigError
+
+#: default ``bound``: a residual norm above this many times the largest gradient norm
+#: seen for its key is reset. Healthy runs of bench/converge.py stay far below it (see
+#: bench/RESULTS.md); random-k with error feedback at lr 0.1 passes it before it diverges.
+DEFAULT_BOUND = 1000.0
+
+
+def default_clip(codec: Any) -> float | None:
+    """The DDP hook's default ``clip`` for ``codec``: ``sqrt(ratio)`` for random-k (its
+    error feedback sends a random 1/ratio-th of the owed mass, many steps' worth per
+    coordinate; unclipped it diverges under momentum 0.9, bench/RESULTS.md), else None.
+    At ``sqrt(ratio)`` an update is no longer than the same fraction of a dense one."""
+    if codec is None or codec.name != "randomk":
+        return None
+    ratio = codec.get_config().get("ratio")
+    return math.sqrt(float(ratio)) if ratio else 0.1
+
+
+class GuardWarning(UserWarning):
+    """The divergence guard reset a key's error-feedback state on every rank."""
+
+
+def check_bound(bound: Any) -> float | None:
+    """``bound`` validated: None (no norm bound) or a float > 0."""
+    if bound is None:
+        return None
+    if isinstance(bound, bool) or not isinstance(bound, (int, float)) or not bound > 0:
+        raise ConfigError(f"residual_bound must be a number > 0 or None, got {bound!r}")
+    return float(bound)
+
+
+def sq_norm(a: Any) -> float:
+    """``a · a`` of a flat numpy / torch / cupy array (inf or nan if ``a`` is not finite,
+    or so large that its square overflows)."""
+    from .. import arrays
+
+    if a.shape[0] == 0 or not arrays.dtype_name(a).startswith(("float", "bfloat")):
+        return 0.0                     # (16-bit floats may be held as integer storage)
+    with np.errstate(all="ignore"):
+        return float(a.dot(a))
+
+
+class Guard:
+    """Per-key gradient scale and the agreed reset decision; ``stats`` counts resets."""
+
+    def __init__(self, bound: float | None = DEFAULT_BOUND,
+                 stats: dict[str, Any] | None = None, clip: float | None = None) -> None:
+        self.bound = check_bound(bound)
+        if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float))
+                                 or not clip > 0):
+            raise ConfigError(f"clip must be a number > 0 or None, got {clip!r}")
+        #: clipping that respects error feedback: a result longer than ``clip`` times the
+        #: sum over ranks of the inputs' norms is scaled down to it, and what is cut off
+        #: goes back into the residuals (by the caller, ``factor``)
+        self.clip = None if clip is None else float(clip)
+        self.factor = 1.0
+        self._scale: dict[str, float] = {}       # largest ||g||² of earlier steps
+        self._pending: dict[str, float] = {}
+        #: counters (kept in ``stats`` if given, e.g. the DDP hook's)
+        self.stats = {} if stats is None else stats
+        for name in ("guard_resets", "guard_nonfinite", "guard_over_bound", "clipped"):
+            self.stats.setdefault(name, 0)
+
+    def observe(self, key: str, g: Any) -> None:
+        """Record ``||g||²`` of this step's input of ``key`` (before compensation); it
+        joins the key's scale after :meth:`check`, so a sudden spike is measured against
+        the steps before it."""
+        self._pending[key] = sq_norm(g)
+
+    def check(self, t: Transport, key: str, residuals: Sequence[Any], out: Any) -> str | None:
+        """Collective: whether any rank must reset ``key`` (``"nonfinite"``,
+        ``"over_bound"``) or None. Counts and warns; the caller resets. With ``clip``
+        set, :attr:`factor` is then the factor the caller scales ``out`` by (1.0: none)."""
+        nonfinite = over = 0.0
+        g2 = self._pending.pop(key, 0.0)
+        if not math.isfinite(sq_norm(out)):
+            nonfinite = 1.0
+        else:
+            e2 = sum(sq_norm(e) for e in residuals)
+            scale = self._scale.get(key)
+            if math.isfinite(g2) and g2 > self._scale.get(key, 0.0):
+                self._scale[key] = g2
+            if not math.isfinite(e2):
+                nonfinite = 1.0
+            elif self.bound is not None and scale is not None and e2 > self.bound ** 2 * scale:
+                over = 1.0
+        agreed = np.array([nonfinite, over, math.sqrt(g2) if math.isfinite(g2) else 0.0])
+        if t.size > 1:
+            from ..collectives import dense_allreduce
+
+            dense_allreduce(t, agreed, "sum", "float64", "auto", check=False)
+        self.factor = 1.0
+        if not agreed[0] and not agreed[1]:
+            if self.clip is not None:
+                limit = self.clip * float(agreed[2])     # sum over ranks of ||g_r||
+                norm = math.sqrt(sq_norm(out))
+                if norm > limit:
+                    self.factor = limit / norm
+                    self.stats["clipped"] += 1
+            return None
+        reason = "nonfinite" if agreed[0] else "over_bound"
+        self.stats["guard_resets"] += 1
+        self.stats["guard_" + reason] += 1
+        warnings.warn(f"error-feedback state of {key!r} reset on every rank: "
+                      + ("a non-finite value reached it" if agreed[0] else
+                         f"a residual norm passed {self.bound:g} x the gradient norm"),
+                      GuardWarning, stacklevel=3)
+        return reason
+
+
+__all__ = ["DEFAULT_BOUND", "Guard", "GuardWarning", "check_bound", "default_clip", "sq_norm"]

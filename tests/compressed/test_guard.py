@@ -1,0 +1,100 @@
+"""The divergence guard in gradcomm.Allreduce: a planted NaN on one rank, then clean steps.
+
+Issue 14 item 1: without the guard, one non-finite step on one rank makes every later step
+non-finite on every rank (the residuals, hop residuals and PowerSGD's ``Q`` keep it). With
+it, the step after is finite on every rank, every rank counted the same reset, and the
+ranks still hold the same bytes. ``guard=False`` is the planted fault: the same test body
+must then see the poison, so these checks can fail.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import gradcomm
+from gradcomm.comm import run_ranks
+from gradcomm.compressed.guard import Guard, GuardWarning, sq_norm
+from gradcomm.errors import ConfigError
+
+pytestmark = [pytest.mark.timeout(300),
+              pytest.mark.filterwarnings("ignore::gradcomm.compressed.guard.GuardWarning")]
+
+CODECS = {"topk": {"ratio": 0.1}, "fp16": {}, "randomk": {"ratio": 0.1}, "int8": {},
+          "onebit": {}, "powersgd": {"rank": 1}}
+
+
+def _run(codec: str, algorithm: str, p: int, guard: bool, bad=np.nan, bad_rank: int = 0):
+    def fn(t):
+        ar = gradcomm.Allreduce(t, compressor=codec, algorithm=algorithm, guard=guard,
+                                **CODECS[codec])
+        rng = np.random.default_rng(t.rank)
+        finite, outs = [], []
+        for s in range(5):
+            x = rng.standard_normal((8, 9)).astype(np.float32)
+            if s == 1 and t.rank == bad_rank:
+                x[2, 3] = bad
+            y = ar(x, key="w")
+            finite.append(bool(np.isfinite(y).all()))
+            outs.append(y.tobytes())
+        stats = dict(ar.guard.stats) if ar.guard is not None else {}
+        return finite, outs, stats
+    return run_ranks(p, fn)
+
+
+@pytest.mark.parametrize("codec", sorted(CODECS))
+@pytest.mark.parametrize("algorithm, p", [("auto", 3), ("ring", 3), ("allgather", 2),
+                                          ("recursive_doubling", 5)])
+def test_one_nan_on_one_rank_then_finite_steps_on_every_rank(codec, algorithm, p):
+    if codec == "powersgd" and algorithm == "allgather":
+        pytest.skip("powersgd has no allgather route")   # its rounds are dense sums
+    results = _run(codec, algorithm, p, guard=True)
+    for finite, _, stats in results:
+        assert finite[0] and all(finite[2:]), finite       # the NaN step itself may be NaN
+        assert stats["guard_resets"] == stats["guard_nonfinite"] >= 1, stats
+    assert len({str(s) for *_, s in results}) == 1          # the same decision everywhere
+    assert len({tuple(o) for _, o, _ in results}) == 1      # the same bytes everywhere
+
+
+@pytest.mark.parametrize("codec", sorted(CODECS))
+def test_without_the_guard_the_nan_poisons_every_later_step(codec):
+    """The planted fault: the test above, guard off, sees every later step non-finite."""
+    for finite, _, _ in _run(codec, "ring", 3, guard=False):
+        assert not any(finite[1:]), finite
+
+
+def test_inf_and_a_residual_past_the_bound_reset_too():
+    for finite, _, stats in _run("topk", "auto", 2, guard=True, bad=np.inf):
+        assert all(finite[2:]) and stats["guard_nonfinite"] >= 1
+    # a huge but finite spike that onebit cannot carry: the residual passes the bound
+    # (1000 x the largest input norm of the earlier steps) and is reset on every rank,
+    # rank 0 included
+    results = _run("onebit", "auto", 2, guard=True, bad=1e12, bad_rank=1)
+    for finite, _, stats in results:
+        assert all(finite) and stats["guard_over_bound"] == 1, stats
+
+
+def test_guard_warns():
+    with pytest.warns(GuardWarning, match="reset on every rank"):
+        _run("fp16", "auto", 1, guard=True)
+
+
+def test_guard_off_paths_and_validation():
+    with pytest.raises(ConfigError):
+        Guard(bound=0)
+    with pytest.raises(ConfigError):
+        gradcomm.Allreduce(None, compressor="topk", residual_bound=-1.0)
+    assert gradcomm.Allreduce(None, compressor="topk", error_feedback=False).guard is None
+    assert gradcomm.Allreduce(None, compressor="powersgd",
+                              error_feedback=False).guard is not None   # Q is state
+    assert gradcomm.Allreduce(None, compressor="topk", guard=False).guard is None
+    assert sq_norm(np.array([3.0, 4.0], np.float32)) == 25.0
+    assert sq_norm(np.zeros(0, np.float32)) == 0.0
+
+
+def test_a_clean_run_is_unchanged_by_the_guard():
+    """No reset in a clean run: the same bytes as guard=False, step by step."""
+    on = _run("topk", "ring", 3, guard=True, bad=0.5)
+    off = _run("topk", "ring", 3, guard=False, bad=0.5)
+    assert [o for _, o, _ in on] == [o for _, o, _ in off]
+    assert all(s["guard_resets"] == 0 for *_, s in on)

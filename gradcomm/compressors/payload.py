@@ -36,10 +36,11 @@ _PREFIX = struct.Struct("<2sBI")          # magic, version, header length
 MAX_HEADER = 64 * 1024
 #: largest payload accepted from a peer (bytes); callers may pass a tighter bound
 MAX_PAYLOAD = 1 << 34
-#: largest element count a payload may announce when the decoder is given no ``out``
-#: (sparse codecs such as topk could otherwise make a 100-byte payload allocate terabytes);
-#: callers that know the count pass ``out=`` and have no such limit
-MAX_COUNT = 1 << 28
+#: largest output (bytes) a payload may make the decoder allocate when it is given no
+#: ``out``: sparse and low-rank codecs (topk, powersgd) announce their element count, so a
+#: 45-byte payload could otherwise claim gigabytes. A receiver knows how many values it
+#: expects and passes ``out=`` (as every collective does): the payload must then match it
+MAX_DECODE_BYTES = 1 << 28
 #: dtypes a codec accepts and restores (bfloat16 is widened to float32 upstream)
 FLOAT_DTYPES = ("float16", "float32", "float64")
 
@@ -228,13 +229,16 @@ def make_out(out: Any, n: int, dtype: np.dtype, zero: bool = False, like: Any = 
     ``zero``; an existing ``out`` is zeroed too).
 
     A payload that disagrees with the caller's ``out`` raises PayloadError (the peer sent
-    something else than expected); without ``out`` the count is bounded by MAX_COUNT,
-    and a new array is of ``like``'s kind and device (host numpy if ``like`` is None).
+    something else than expected); without ``out`` the output is bounded by
+    MAX_DECODE_BYTES, and a new array is of ``like``'s kind and device (host numpy if
+    ``like`` is None). Either way nothing is allocated for a payload that fails.
     """
     if out is None:
-        if n > MAX_COUNT:
-            raise PayloadError(f"payload announces {n} elements, above MAX_COUNT={MAX_COUNT}; "
-                               "pass out= to decode larger arrays")
+        nbytes = n * np.dtype(dtype).itemsize
+        if nbytes > MAX_DECODE_BYTES:
+            raise PayloadError(f"payload announces {n} {np.dtype(dtype).name} elements "
+                               f"({nbytes} bytes), above MAX_DECODE_BYTES={MAX_DECODE_BYTES};"
+                               " a receiver that expects that many passes out=")
         if like is not None and not arrays.is_host(like):
             out = arrays.empty_like_kind(like, n, np.dtype(dtype).name)
             if zero:

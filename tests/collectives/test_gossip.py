@@ -9,6 +9,7 @@ import pytest
 import gradcomm
 from gradcomm._dtypes import f32_to_bf16
 from gradcomm.collectives import topologies as T
+from gradcomm.collectives._check import NATIVE_FIELDS
 from gradcomm.collectives.gossip import Gossip, consensus_distance, gossip_average
 from gradcomm.comm import run_ranks
 from gradcomm.comm.base import TAG_GOSSIP
@@ -242,9 +243,9 @@ def test_check_costs_only_the_small_agreement_exchange():
         gossip_average(x, t, check=True)
         return t.stats.snapshot()
 
-    for s in run(4, fn):    # agreement: recursive doubling, 2 rounds of a few int64s
+    for s in run(4, fn):    # agreement: recursive doubling, 2 rounds of 2 x 16 int64s
         assert s["messages_sent"] == 2 + 2
-        assert 2 * 8000 < s["bytes_sent"] < 2 * 8000 + 2 * 200
+        assert s["bytes_sent"] == 2 * 8000 + 2 * 2 * NATIVE_FIELDS * 8
 
 
 def test_custom_weights_send_only_where_nonzero():
@@ -663,6 +664,36 @@ def test_choco_rejects_oversized_announcement_from_a_peer():
 
     got = run(2, fn)
     assert got[0] == "rejected" and got[1] > 0      # rank 1 got rank 0's honest size
+
+
+def test_choco_decodes_a_peer_payload_into_the_count_it_expects():
+    """A hostile peer sends a small topk payload claiming 2**28 float64 values: the
+    receiver decodes into its n = 10 and refuses it (PayloadError) without allocating."""
+    import tracemalloc
+
+    from gradcomm.compressors import get
+    from gradcomm.compressors.base import Payload
+    from gradcomm.errors import PayloadError
+
+    def fn(t):
+        if t.rank == 0:
+            g = Gossip(t, topology="ring", compressor="topk", k=2, check=False)
+            tracemalloc.start()
+            try:
+                with pytest.raises(PayloadError, match="decodes to float64"):
+                    g(np.ones(10))
+                return tracemalloc.get_traced_memory()[1]
+            finally:
+                tracemalloc.stop()
+        good = get("topk", k=1).compress(np.ones(10, np.float64))   # fits the size bound
+        data = Payload("topk", {**good.header, "n": 1 << 28}, dict(good.buffers)).to_bytes()
+        sink = np.empty(1, np.int64)
+        t.sendrecv(np.array([data.size], np.int64), 0, sink, 0, TAG_GOSSIP)
+        t.sendrecv(data, 0, np.empty(int(sink[0]), np.uint8), 0, TAG_GOSSIP)
+        return "sent"
+
+    peak, sent = run(2, fn)
+    assert sent == "sent" and peak < 1 << 20, peak
 
 
 def test_gossip_rejects_bad_gamma_and_options():

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from gradcomm.compressors import get, names, payload
-from gradcomm.compressors.payload import MAX_COUNT, Payload
+from gradcomm.compressors.payload import MAX_DECODE_BYTES, Payload
 from gradcomm.errors import ConfigError, PayloadError
 
 DTYPES = ("float16", "float32", "float64")
@@ -337,20 +337,20 @@ def test_payload_count_is_bounded_without_out() -> None:
     """A sparse payload of a few bytes cannot make the decoder allocate terabytes."""
     c = get("topk", k=1)
     p = c.compress(data(10))
-    huge = Payload("topk", {**p.header, "n": MAX_COUNT + 1}, dict(p.buffers))
-    with pytest.raises(PayloadError, match="MAX_COUNT"):
+    huge = Payload("topk", {**p.header, "n": MAX_DECODE_BYTES // 4 + 1}, dict(p.buffers))
+    with pytest.raises(PayloadError, match="MAX_DECODE_BYTES"):
         c.decompress(huge)
     c = get("randomk", k=1)
     p = c.compress(data(10), seed=1)
-    with pytest.raises(PayloadError, match="MAX_COUNT"):
+    with pytest.raises(PayloadError, match="MAX_DECODE_BYTES"):
         c.decompress(Payload("randomk", {**p.header, "n": 1 << 40}, dict(p.buffers)))
 
 
 def test_payload_count_bound_does_not_apply_with_out(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(payload, "MAX_COUNT", 1000)
+    monkeypatch.setattr(payload, "MAX_DECODE_BYTES", 4000)
     c = get("randomk", k=1)
     p = c.compress(data(1001), seed=1)
-    with pytest.raises(PayloadError, match="MAX_COUNT"):
+    with pytest.raises(PayloadError, match="MAX_DECODE_BYTES"):
         c.decompress(p)
     assert np.count_nonzero(c.decompress(p, out=np.empty(1001, np.float32))) == 1
 

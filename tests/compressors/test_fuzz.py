@@ -9,8 +9,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gradcomm._dtypes import CODES
 from gradcomm.compressors import get
-from gradcomm.compressors.payload import FLOAT_DTYPES, Payload
+from gradcomm.compressors.payload import FLOAT_DTYPES, MAX_DECODE_BYTES, Payload
 from gradcomm.errors import PayloadError
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")    # garbage values overflow
@@ -130,7 +131,8 @@ HOSTILE = [
     ("topk", {"ratio": 0.2}, dict(b_i=np.arange(15, dtype=np.int32) * 10), "0..74"),
     ("topk", {"ratio": 0.2}, dict(b_i=np.arange(-1, 14, dtype=np.int32)), "0..74"),
     ("topk", {"ratio": 0.2}, dict(k=76), "k="),
-    ("topk", {"ratio": 0.2}, dict(n=1 << 40, b_i=np.arange(15, dtype=np.int64)), "MAX_COUNT"),
+    ("topk", {"ratio": 0.2}, dict(n=1 << 40, b_i=np.arange(15, dtype=np.int64)),
+     "MAX_DECODE_BYTES"),
     ("topk", {"ratio": 0.2}, dict(b_i=np.arange(15, dtype=np.int64)), "int32"),
     ("randomk", {"k": 7}, dict(key=[1, 2, 3]), "key"),
     ("randomk", {"k": 7}, dict(key=[1, 2, 3, 1 << 32]), "key"),
@@ -184,3 +186,80 @@ def test_huge_bucket_with_few_elements_allocates_little() -> None:
                                             p.buffers["norm"], y)
         assert (y == want).all()
     assert (c.decompress(big) == want).all()
+
+
+# -- decode amplification: the output is bounded before anything is allocated ---------------
+def _peak(fn) -> int:
+    """Peak bytes Python and numpy allocated while ``fn()`` ran (numpy reports its data
+    allocations to tracemalloc)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        fn()
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    return peak
+
+
+def _refused_cheaply(c, p: Payload, **kw) -> None:
+    def call() -> None:
+        with pytest.raises(PayloadError):
+            c.decompress(p, **kw)
+    assert _peak(call) < 1 << 20
+
+
+def test_a_45_byte_topk_payload_cannot_claim_2_gib() -> None:
+    c = get("topk", k=1)
+    good = c.compress(np.ones(8, np.float64))
+    forged = Payload.from_bytes(Payload("topk", {**good.header, "n": 1 << 28},
+                                        dict(good.buffers)).to_bytes())
+    assert forged.nbytes < 64
+    _refused_cheaply(c, forged)                              # 2 GiB of float64: over the cap
+    _refused_cheaply(c, forged, out=np.empty(8, np.float64))  # the receiver expects 8
+
+
+def test_a_small_powersgd_payload_cannot_claim_a_huge_matrix() -> None:
+    """rows + cols = 32768 at rank 1 (131 KB of factors) would decode to 2**28 floats."""
+    from gradcomm.compressors.powersgd import Layout
+
+    c = get("powersgd", rank=1)
+    n = 1 << 28
+    lay = c.layout(n)
+    assert lay == Layout(16384, 16384, 1)
+    header = {"n": n, "dt": CODES["float32"], "rows": lay.rows, "cols": lay.cols, "r": 1}
+    forged = Payload("powersgd", header,
+                     {"p": np.ones(lay.rows, np.float32), "q": np.ones(lay.cols, np.float32),
+                      "v": np.zeros(0, np.float32)})
+    assert forged.nbytes < 140_000
+    _refused_cheaply(c, forged)
+    _refused_cheaply(c, forged, out=np.empty(1000, np.float32))
+
+
+@pytest.mark.parametrize("name,opts", CODECS + [("powersgd", {"rank": 2})],
+                         ids=IDS + ["powersgd-2"])
+@FUZZ
+@given(claim=st.integers(0, 2 ** 40), expect=st.integers(1, 4096))
+def test_a_claimed_count_other_than_expected_is_refused_before_allocation(
+        name: str, opts: dict, claim: int, expect: int) -> None:
+    """A receiver that expects ``expect`` values (out=) never decodes a payload claiming
+    ``claim`` others, and never allocates for it; without out= the cap holds."""
+    c = get(name, **opts)
+    good = c.compress(np.ones(expect, np.float32), seed=1)
+    forged = Payload(good.codec, {**good.header, "n": claim}, dict(good.buffers))
+    out = np.empty(expect, np.float32)
+    if claim == expect:
+        assert c.decompress(forged, out=out) is out
+        return
+
+    def expected() -> None:
+        with pytest.raises(PayloadError):
+            c.decompress(forged, out=out)
+    assert _peak(expected) < 1 << 20
+
+    def capped() -> None:
+        with pytest.raises(PayloadError):
+            c.decompress(forged)
+    if claim * 4 > MAX_DECODE_BYTES:
+        assert _peak(capped) < 1 << 20

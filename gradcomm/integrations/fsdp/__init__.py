@@ -84,7 +84,8 @@ def make_reduce_scatter(compressor: Any = None, *, error_feedback: bool = True,
 
 def compress_fsdp(model: Any, compressor: Any = None, *, error_feedback: bool = True,
                   algorithm: str = "auto", seed: int = 0, replicate_group: Any = None,
-                  replicate_algorithm: str = "allgather", **options: Any) -> Any:
+                  replicate_algorithm: str = "allgather", guard: bool = True,
+                  residual_bound: float | None = 1000.0, **options: Any) -> Any:
     """Install a compressed reduce-scatter on every FSDPModule in ``model`` (call after
     ``fully_shard``, on every rank); returns the :class:`~.state.FSDPState`.
 
@@ -99,10 +100,15 @@ def compress_fsdp(model: Any, compressor: Any = None, *, error_feedback: bool = 
         replicate_group: HSDP: the ProcessGroup of the replicate dimension; the shards
             are then averaged over it through the same codec (``set_all_reduce_hook``).
         replicate_algorithm: the compressed allreduce's algorithm there.
+        guard: the divergence guard (:mod:`gradcomm.compressed.guard`): after each
+            reduce-scatter the ranks agree (one small allreduce) whether a module's
+            residuals went non-finite or past ``residual_bound`` times the largest
+            gradient norm seen, and zero them on every rank (``state.guard.stats``).
     """
     from torch.distributed.fsdp import FSDPModule
 
     from ...comm import get_transport
+    from ...compressed.guard import Guard
     from ...compressed.reduce_scatter import ALGORITHMS
     from .comm import CompressedReduceScatter, ReplicateHook
     from .layout import layout_of
@@ -119,6 +125,7 @@ def compress_fsdp(model: Any, compressor: Any = None, *, error_feedback: bool = 
                       stacklevel=2)
     state = FSDPState(codec, options, seed=seed, algorithm=algorithm,
                       error_feedback=bool(error_feedback) and lossy and contractive(codec))
+    state.guard = Guard(residual_bound) if guard and state.ef.enabled else None
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     sides: dict[tuple[int, ...], Any] = {}
     found = False
@@ -146,7 +153,8 @@ def compress_fsdp(model: Any, compressor: Any = None, *, error_feedback: bool = 
         lay = layout_of(key, g, names)
         side = None if codec is None else side_group(g.mesh_info.shard_process_group, sides)
         comm = CompressedReduceScatter(codec, ef=state.ef, key=key, algorithm=algorithm,
-                                       seed=seed, group=g, side_group=side)
+                                       seed=seed, group=g, side_group=side,
+                                       guard=state.guard)
         comm.shard_rank = g.mesh_info.shard_mesh_rank
         module.set_custom_reduce_scatter(comm)
         state.layouts[key], state.comms[key] = lay, comm

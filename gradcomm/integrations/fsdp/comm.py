@@ -59,6 +59,9 @@ def _write(out: torch.Tensor, shard: Any) -> None:
 class CompressedReduceScatter(ReduceScatter):
     """FSDP2's reduce-scatter through ``codec`` (None: torch's own, bitwise).
 
+    ``guard``: a :class:`~gradcomm.compressed.guard.Guard`: after each call the ranks agree
+    whether the module's residuals went non-finite or past the bound, and reset them
+    (used only with error feedback).
     ``ef``: the error-feedback store (None: a private one, enabled with ``codec``);
     ``key``: this module's name in it; ``group`` (an ``FSDPParamGroup``, optional): where
     the gradient divide factor of ``PREMUL_SUM`` is read; ``side_group``: a gloo group over
@@ -69,9 +72,10 @@ class CompressedReduceScatter(ReduceScatter):
 
     def __init__(self, codec: Compressor | None, *, ef: ErrorFeedback | None = None,
                  key: str = "default", algorithm: str = "auto", seed: int = 0,
-                 group: Any = None, side_group: Any = None) -> None:
+                 group: Any = None, side_group: Any = None, guard: Any = None) -> None:
         self.codec, self.key, self.algorithm, self.seed = codec, key, algorithm, seed
         self.ef = ef if ef is not None else ErrorFeedback(enabled=codec is not None)
+        self.guard = guard if self.ef.enabled else None
         self.param_group, self.side_group = group, side_group
         self.shard_rank = 0
         self.calls = self.bytes_sent = 0
@@ -113,11 +117,16 @@ class CompressedReduceScatter(ReduceScatter):
         sig = (id(group), dtype, int(input_tensor.numel()))
         first = sig not in self._checked
         before = t.stats.bytes_sent
+        if self.guard is not None:
+            self.guard.observe(self.key, buf)
         shard = compressed_reduce_scatter(
             t, buf, dtype, op=how, algorithm=self.algorithm, compressor=self.codec,
             check=first, seed=self.seed, residuals=self.ef, key=self.key)
         self._checked.add(sig)
         self.bytes_sent += t.stats.bytes_sent - before
+        if self.guard is not None and self.guard.check(t, self.key,
+                                                       self.ef.residuals_of(self.key), shard):
+            self.ef.clear(self.key)             # every rank alike (the guard agreed)
         _write(output_tensor, shard)
         return None
 

@@ -52,6 +52,7 @@ class FSDPState:
         self.comms: dict[str, Any] = {}
         self.hooks: dict[str, Any] = {}
         self.world: Any = None              # the transport checkpoints are collected over
+        self.guard: Any = None              # the divergence guard (compress_fsdp sets it)
 
     @property
     def signature(self) -> str:

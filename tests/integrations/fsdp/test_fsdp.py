@@ -6,7 +6,9 @@ equal to the exact replay of every rank's recorded inputs (error feedback on), b
 reduce dtype, the ring route, the gradient divide factor, accumulation without sync,
 unsupported set-ups refused with advice, resume from ``state_dict`` (torch.save and DCP)
 bitwise equal to the unbroken run, a state saved at 2 ranks loaded at 3 keeping the error
-mass, convergence close to uncompressed, and HSDP through the replicate hook. In-process:
+mass, convergence close to uncompressed, HSDP through the replicate hook, and the
+divergence guard resetting residuals a NaN step poisoned (without it, the planted fault,
+the run stays non-finite). In-process:
 the layout's mapping between FSDP2's flat buffer and each parameter.
 """
 
@@ -30,7 +32,7 @@ CHECKS = Path(__file__).parent / "scripts" / "fsdp_checks.py"
 @pytest.mark.timeout(200)
 def test_fsdp_on_two_then_three_gloo_processes(tmp_path: Path) -> None:
     run = torchrun(CHECKS, 2, "parity", "codecs", "options", "errors", "resume", "save",
-                   "converge", "hsdp", "--dir", tmp_path, timeout=150)
+                   "converge", "hsdp", "guard", "--dir", tmp_path, timeout=150)
     info = run.clean_results(2)[0]["info"]
     assert len(info["codecs"]) == 9 and all(n == 9 for n in info["codecs"].values()), info
     assert info["saved_world"] == 2

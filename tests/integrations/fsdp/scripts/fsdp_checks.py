@@ -369,7 +369,33 @@ def check_hsdp() -> None:
         fail("hsdp int8 far from the uncompressed average")
 
 
-CHECKS = {"parity": check_parity, "codecs": check_codecs, "options": check_options,
+def check_guard() -> None:
+    """A NaN gradient on rank 0 (the step skipped, as GradScaler does) poisons the
+    residuals; the guard resets them on every rank and training goes on finite;
+    guard=False (the planted fault) stays non-finite."""
+    finite = {}
+    for guard in (True, False):
+        m = shard(make_model())
+        st = compress_fsdp(m, "int8", guard=guard)
+        opt = torch.optim.SGD(m.parameters(), lr=0.05)
+        train(m, opt, range(2))
+        x, y = batch(2)
+        if dist.get_rank() == 0:
+            x = x.clone()
+            x[0, 0] = float("nan")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            (m(x) - y).square().mean().backward()
+            opt.zero_grad()                         # the bad step is skipped
+            train(m, opt, range(3, 6))
+        finite[guard] = bool(torch.isfinite(local(m)).all())
+        if guard and st.guard.stats["guard_resets"] < 1:
+            fail(f"guard: no reset counted {st.guard.stats}")
+    if finite != {True: True, False: False}:
+        fail(f"guard: parameters finite with/without the guard: {finite}")
+
+
+CHECKS = {"guard": check_guard, "parity": check_parity, "codecs": check_codecs, "options": check_options,
           "errors": check_errors, "resume": check_resume, "save": check_save,
           "resize": check_resize, "converge": check_converge, "hsdp": check_hsdp}
 

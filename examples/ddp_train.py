@@ -167,9 +167,7 @@ def main() -> None:
             "accuracy": accuracy, "bytes_sent": int(sent), "native_nbytes": int(native),
             "device": args.device,
             "seconds": round(time.perf_counter() - began, 2)}), flush=True)
-    state.close()
-    dist.barrier()              # nobody tears gloo down while a peer still uses it
-    dist.destroy_process_group()
+    dist.destroy_process_group()     # also closes the hook's state (state.close())
 
 
 if __name__ == "__main__":

@@ -47,6 +47,14 @@ allreduce on the same scaled bucket, hence are bitwise equal to DDP's built-in p
 any rank count. Any other algorithm at two ranks computes ``fl(a + b)`` per element,
 bitwise equal too; at more ranks only the order of summation differs.
 
+**Errors and lifecycle** (:mod:`.lifecycle`). A failed reduction is raised by the hook
+itself at the iteration's last bucket, so ``backward()`` raises the GradcommError with its
+type (an exception set on the future would reach the user as DDP's "Unable to cast"
+RuntimeError); sparse gradients are refused there too. ``state.close()`` (idempotent,
+``with state:``) joins the worker and releases the gloo group and MPI duplicate the hook
+made; it also runs at interpreter exit and from ``torch.distributed.destroy_process_group``
+before torch destroys the group. A checkpoint of another configuration is refused.
+
 **Join** (``with ddp_model.join():``): a rank that ran out of data runs the hook on zero
 buckets, so collectives still match; gradients are divided by the full ``p``.
 
@@ -76,7 +84,7 @@ Example:
     >>> model(torch.ones(3, 4)).sum().backward()
     >>> state.iter, sorted(state.state_dict()["ranks"][0]["residuals"])
     (1, ['bias', 'weight'])
-    >>> state.close(); dist.destroy_process_group()
+    >>> dist.destroy_process_group()                 # closes the state too
 """
 
 from .checkpoint import STATE_FORMAT, STATE_VERSION

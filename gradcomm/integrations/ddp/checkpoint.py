@@ -63,6 +63,48 @@ def collect(t: Transport, residuals: ParameterResiduals, rank0_only: bool
     return ranks
 
 
+def check_config(state: Mapping[str, Any], config: Mapping[str, Any]) -> None:
+    """ConfigError unless checkpoint ``state`` (of this format) was saved by a hook
+    configured as ``config`` (:meth:`~.hook.CommHookState.config`), naming what differs.
+
+    Example:
+        >>> mine = {"compressor": "topk", "seed": 0}
+        >>> state = {"format": STATE_FORMAT, "config": {"compressor": "onebit", "seed": 0}}
+        >>> check_config(state, mine)
+        Traceback (most recent call last):
+        ...
+        gradcomm.errors.ConfigError: state saved by a hook with compressor='onebit'; this hook has compressor='topk'
+    """
+    _check_format(state)
+    saved = state.get("config")
+    if not isinstance(saved, Mapping):
+        raise ConfigError("the DDP comm-hook state has no config: it was not saved by "
+                          "CommHookState.state_dict()")
+    saved = {str(k): _plain(v) for k, v in saved.items()}
+    diff = [k for k in config if _plain(config[k]) != saved.get(k)]
+    if diff:
+        raise ConfigError("state saved by a hook with "
+                          + ", ".join(f"{k}={saved.get(k)!r}" for k in diff)
+                          + "; this hook has "
+                          + ", ".join(f"{k}={_plain(config[k])!r}" for k in diff))
+
+
+def _plain(v: Any) -> Any:
+    """``v`` with tuples as lists and mappings as plain dicts (as a checkpoint holds it)."""
+    if isinstance(v, Mapping):
+        return {str(k): _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    return v
+
+
+def _check_format(state: Any) -> None:
+    if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
+        raise ConfigError("not a gradcomm DDP comm-hook state dict (format "
+                          f"{state.get('format') if isinstance(state, Mapping) else None!r}); "
+                          "state_dict(rank0_only=True) returns {} on ranks other than 0")
+
+
 def restore(state: Mapping[str, Any], p_new: int, rank: int) -> ParameterResiduals:
     """Rank ``rank`` of ``p_new``'s residuals from a checkpoint ``state`` (checked).
 
@@ -70,10 +112,7 @@ def restore(state: Mapping[str, Any], p_new: int, rank: int) -> ParameterResidua
     summed in rank order (hop residuals folded first), which keeps the total error
     mass up to float rounding.
     """
-    if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
-        raise ConfigError("not a gradcomm DDP comm-hook state dict (format "
-                          f"{state.get('format') if isinstance(state, Mapping) else None!r}); "
-                          "state_dict(rank0_only=True) returns {} on ranks other than 0")
+    _check_format(state)
     if state.get("version") != STATE_VERSION:
         raise ConfigError(f"DDP comm-hook state version {state.get('version')!r}, this "
                           f"gradcomm reads {STATE_VERSION}")
@@ -173,5 +212,5 @@ def unpack_local(block: np.ndarray, rank: int
     return groups, meta
 
 
-__all__ = ["STATE_FORMAT", "STATE_VERSION", "collect", "pack_local", "residuals_of", "restore",
+__all__ = ["STATE_FORMAT", "STATE_VERSION", "check_config", "collect", "pack_local", "residuals_of", "restore",
            "unpack_local"]

@@ -29,6 +29,7 @@ from ..._plan import Reduction
 from ...comm.base import Transport
 from ...errors import ConfigError, GradcommError
 from . import checkpoint
+from . import lifecycle
 from .groups import resolve_transports
 from .replay import Replay
 from .residuals import ParameterResiduals
@@ -66,9 +67,11 @@ class CommHookState:
         self.algorithm, self.start_iter = algorithm, start_iter
         self.seed = int(self.reduction.seed or 0)
         self.error_feedback = bool(error_feedback)
-        messages, library = resolve_transports(transport, process_group, timeout)
+        self._transports = resolve_transports(transport, process_group, timeout)
+        messages = self._transports.messages
         self.residuals = ParameterResiduals(self.error_feedback)
-        self.routes = Routes(messages, library, self.reduction, self.residuals)
+        self.routes = Routes(messages, self._transports.library, self.reduction,
+                             self.residuals)
         self.iter = 0
         self._names: dict[int, str] | None = None
         self._position: dict[int, str] = {}
@@ -78,8 +81,11 @@ class CommHookState:
         self._replay: list[list[str]] | None = None
         self._pending: Replay | None = None
         self._failure: BaseException | None = None
+        self._raised = False                    # the failure reached backward() once
+        self._closed = False
         self._worker = Worker(messages.timeout)
         self._finalizer = weakref.finalize(self, self._worker.queue.put, None)
+        lifecycle.register(self)
         if model is not None:
             self.bind(model)
 
@@ -146,14 +152,48 @@ class CommHookState:
         self._call(lambda: None)
 
     def close(self) -> None:
-        """Stop the worker thread (after the queued buckets). Idempotent."""
+        """Release what the hook holds, once (idempotent): the worker thread stops after
+        the queued buckets and is joined, a gloo group it made beside an NCCL group is
+        destroyed, a duplicated MPI communicator freed. Also run at interpreter exit and
+        by ``torch.distributed.destroy_process_group`` (before torch destroys the group:
+        :mod:`~.lifecycle`); ``with state:`` closes on leaving the block."""
+        if self._closed:
+            return
+        self._closed = True
+        lifecycle.forget(self)
         self._worker.close()
+        for t in self._transports.own_transports:
+            t.close()
+        for group in self._transports.own_groups:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                lifecycle.destroy_group(group)
+        self._transports.own_groups.clear()
+
+    def uses(self, group: Any) -> bool:
+        """Whether the hook talks over torch process group ``group``."""
+        return any(g is group for g in self._transports.groups)
 
     def __enter__(self) -> CommHookState:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+    def _check_iteration(self) -> None:
+        """On the autograd thread, at the last bucket: wait for the queued buckets and
+        raise a failure here, where DDP passes it on to ``backward()`` with its type (an
+        exception set on a hook's future reaches the user as DDP's "Unable to cast"
+        RuntimeError)."""
+        self._call(lambda: None)
+        failure = self._failure
+        if failure is None:
+            return
+        if not self._raised:
+            self._raised = True
+            raise failure
+        raise GradcommError(f"an earlier bucket failed: {failure}") from failure
 
     # -- one bucket ----------------------------------------------------------------------
     def _bucket(self, buf: Any, keys: list[str], lengths: list[int], last: bool,
@@ -264,18 +304,22 @@ class CommHookState:
         """
         return self._call(lambda: self._state_dict(rank0_only))
 
+    def config(self) -> dict[str, Any]:
+        """What the hook was configured with, as ``state_dict()["config"]`` holds it."""
+        c = self.compressor
+        return {"compressor": None if c is None else c.name,
+                "compressor_options": {} if c is None else dict(c.get_config()),
+                "algorithm": self.algorithm, "error_feedback": self.error_feedback,
+                "start_iter": self.start_iter, "seed": self.seed}
+
     def _state_dict(self, rank0_only: bool) -> dict[str, Any]:
         t = self.transport
         ranks = checkpoint.collect(t, self.residuals, rank0_only)
         if ranks is None:
             return {}
-        c = self.compressor
         return {
             "format": checkpoint.STATE_FORMAT, "version": checkpoint.STATE_VERSION,
-            "config": {"compressor": None if c is None else c.name,
-                       "compressor_options": {} if c is None else dict(c.get_config()),
-                       "algorithm": self.algorithm, "error_feedback": self.error_feedback,
-                       "start_iter": self.start_iter, "seed": self.seed},
+            "config": self.config(),
             "iter": self.iter, "world_size": t.size,
             "layout": [list(u) for u in self._layout],
             "ranks": ranks,
@@ -284,10 +328,15 @@ class CommHookState:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore counters, layout and this rank's share of the residuals (any rank count).
 
+        ConfigError for a state of another format or version, or saved by a hook with
+        another configuration (compressor and its options, algorithm, error feedback,
+        start_iter, seed), as ``Allreduce.load_state_dict`` refuses one.
+
         New rank ``r'`` of ``p'`` receives ``sum(e_r for r in range(p) if r % p' == r')``,
         summed in rank order (hop residuals folded first), which keeps the total error
         mass up to float rounding.
         """
+        checkpoint.check_config(state, self.config())
         restored = checkpoint.restore(state, self.transport.size, self.transport.rank)
         layout = [list(map(str, u)) for u in state.get("layout", [])]
 
@@ -343,32 +392,38 @@ def make_comm_hook(compressor: Any = None, *, algorithm: str = "auto",
 def comm_hook(state: CommHookState, bucket):  # type: ignore[no-untyped-def]
     """The DDP hook: queue ``bucket`` on ``state``'s worker; return its future.
 
+    Errors are raised here, on the autograd thread, where DDP passes them on to
+    ``backward()`` with their type (``except GradcommError`` catches them): a bad bucket at
+    once, a failed reduction at the iteration's last bucket, which waits for the queued
+    ones (DDP waits for them right after it anyway).
+
     (Unannotated on purpose: DDP rejects any annotation but the real types, and this
     module's annotations are strings.)
     """
     import torch
 
     fut: Any = torch.futures.Future()
-    try:
-        params = bucket.parameters()
-        keys = state._keys(params)
-        lengths = [int(p.numel()) for p in params]
-        shapes = state.residuals.shapes              # matrix views for PowerSGD
-        for k, p in zip(keys, params):
-            if k not in shapes:
-                shapes[k] = tuple(p.shape)
-        buf = bucket.buffer()
-        if sum(lengths) != buf.numel():
-            raise ConfigError(f"bucket {bucket.index()} holds {buf.numel()} elements but its "
-                              f"parameters {sum(lengths)} (sparse gradients are unsupported)")
-        last, event = bucket.is_last(), None
-        work = state._hook_library(buf)     # a device group's own allreduce starts here
-        if buf.is_cuda and work is None:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(buf.device))   # buf's device's stream
-        state._submit(lambda: state._bucket(buf, keys, lengths, last, fut, event, work))
-    except BaseException as exc:
-        fut.set_exception(exc)
+    params = bucket.parameters()
+    keys = state._keys(params)
+    lengths = [int(p.numel()) for p in params]
+    shapes = state.residuals.shapes              # matrix views for PowerSGD
+    for k, p in zip(keys, params):
+        if k not in shapes:
+            shapes[k] = tuple(p.shape)
+    buf = bucket.buffer()
+    if buf.layout != torch.strided or sum(lengths) != buf.numel():
+        raise ConfigError(f"bucket {bucket.index()} holds a {buf.layout} buffer of "
+                          f"{buf.numel()} elements for parameters of {sum(lengths)}: sparse "
+                          "gradients are unsupported (use a dense nn.Embedding, or leave "
+                          "sparse parameters out of the DDP model)")
+    last, event = bucket.is_last(), None
+    work = state._hook_library(buf)     # a device group's own allreduce starts here
+    if buf.is_cuda and work is None:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(buf.device))   # buf's device's stream
+    state._submit(lambda: state._bucket(buf, keys, lengths, last, fut, event, work))
+    if last:
+        state._check_iteration()
     return fut
 
 

@@ -97,10 +97,8 @@ def main() -> int:
     else:
         time.sleep(3)    # stay connected while rank 0 waits (a closed peer is not a deadline)
     print("RESULT " + json.dumps(res), flush=True)
-    sys.stdout.flush()
-    import os
-
-    os._exit(0)          # the dropped gloo connection would make a collective teardown fail
+    dist.destroy_process_group()
+    return 0
 
 
 if __name__ == "__main__":

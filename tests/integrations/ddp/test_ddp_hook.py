@@ -36,9 +36,11 @@ EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 @pytest.mark.timeout(150)
 def test_hook_on_two_gloo_processes():
     run = torchrun(CHECKS, 2, "parity", "warmup", "compressors", "rebuild", "resume", "join",
-                   timeout=140)
+                   "errors", timeout=140)
     info = run.clean_results(2)[0]["info"]
     assert info["compressors"], info
+    # errors keep their type through DDP's backward(): MismatchError, sparse ConfigError
+    assert (info["mismatch"], info["sparse"]) == ("MismatchError", "ConfigError"), info
 
 
 @pytest.mark.timeout(120)
@@ -189,6 +191,65 @@ def test_state_dict_round_trips_through_torch_save_weights_only():
         return out
 
     assert one_rank(fn) == (7, [1.0, 2.0, 3.0], {"n": [3], "w#q": [0.5, -1.0]})
+
+
+def test_load_state_dict_refuses_a_checkpoint_of_another_configuration():
+    def fn(t):
+        state, _ = ddp.make_comm_hook("topk", ratio=0.1, transport=t)
+        sd = state.state_dict()
+        out = []
+        for codec, kw in (("onebit", {}), ("topk", {"ratio": 0.2}), ("topk", {"seed": 3}),
+                          ("topk", {"algorithm": "ring"})):
+            other, _ = ddp.make_comm_hook(codec, transport=t, **{"ratio": 0.1, **kw}
+                                          if codec == "topk" else kw)
+            with other, pytest.raises(ConfigError, match="state saved by a hook with") as e:
+                other.load_state_dict(sd)
+            out.append(str(e.value).split(";")[0])
+        with ddp.make_comm_hook("topk", ratio=0.1, transport=t)[0] as same:
+            same.load_state_dict(sd)                        # the same configuration loads
+        state.close()
+        return out
+
+    got = one_rank(fn)
+    assert got[0].startswith("state saved by a hook with compressor='topk'"), got
+    assert "compressor_options" in got[1] and "seed=0" in got[2] and "algorithm" in got[3]
+
+
+def test_close_is_idempotent_and_reached_by_with_and_by_exit():
+    from gradcomm.errors import GradcommError
+    from gradcomm.integrations.ddp import lifecycle
+
+    def fn(t):
+        with ddp.make_comm_hook(None, transport=t)[0] as state:
+            assert state in lifecycle._LIVE and state._worker._thread.is_alive()
+        assert state not in lifecycle._LIVE and not state._worker._thread.is_alive()
+        with pytest.raises(GradcommError, match="closed"):
+            state.flush()
+        state.close()                                   # idempotent
+        other, _ = ddp.make_comm_hook(None, transport=t)
+        lifecycle.close_all()                           # what atexit runs
+        return other._worker._thread.is_alive(), other.uses(object())
+
+    assert one_rank(fn) == (False, False)
+
+
+def test_a_failed_reduction_is_raised_on_the_hook_thread_with_its_type():
+    """A rank that never joins: the last bucket's hook raises the worker's DeadlineError
+    itself (DDP passes an exception raised by the hook on unchanged, but turns one set
+    on the future into "Unable to cast ... to Tensor")."""
+    from gradcomm.errors import DeadlineError
+
+    def fn(t):
+        if t.rank == 1:
+            return "absent"
+        model = _psgd_model()
+        state, _ = ddp.make_comm_hook("topk", ratio=0.5, transport=t, model=model)
+        params = list(model.parameters())
+        with state, pytest.raises(DeadlineError):
+            ddp.comm_hook(state, _Bucket(params, torch.zeros(sum(p.numel() for p in params))))
+        return "raised"
+
+    assert run_ranks(2, fn, timeout=30, wait_timeout=1) == ["raised", "absent"]
 
 
 # -- PowerSGD through the hook, in-process (the gloo runs are in scripts/ddp_checks.py) -------

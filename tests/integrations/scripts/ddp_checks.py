@@ -659,8 +659,40 @@ def check_exact(steps: int = 4) -> None:
     INFO["exact"] = done
 
 
+def check_errors() -> None:
+    """Hook errors reach ``backward()`` with their type on every rank: ranks configured
+    with different codec options get MismatchError (``except GradcommError`` catches it,
+    not DDP's "Unable to cast" RuntimeError); sparse gradients get the hook's own
+    "sparse gradients are unsupported" ConfigError; the state closes (``with``)."""
+    from gradcomm.errors import ConfigError, GradcommError, MismatchError
+
+    ratio = 0.1 if dist.get_rank() == 0 else 0.2
+    model, state = hooked(make_model(), "topk", ratio=ratio)
+    with state:
+        try:
+            loss_of(model, batch(0)).backward()
+            fail("codec options differing across ranks: no error")
+        except GradcommError as exc:
+            if not isinstance(exc, MismatchError) or "config" not in str(exc):
+                fail(f"mismatch: {type(exc).__name__}: {exc}")
+            INFO["mismatch"] = type(exc).__name__
+    torch.manual_seed(0)
+    sparse = DDP(nn.Sequential(nn.Embedding(20, 4, sparse=True)))
+    state, hook = make_comm_hook(None, model=sparse, transport=TRANSPORT)
+    sparse.register_comm_hook(state, hook)
+    with state:
+        try:
+            sparse(torch.tensor([1, 2, 3])).sum().backward()
+            fail("sparse gradients: no error")
+        except ConfigError as exc:
+            if "sparse gradients are unsupported" not in str(exc):
+                fail(f"sparse: {exc}")
+            INFO["sparse"] = type(exc).__name__
+
+
 CHECKS = {"exact": check_exact, "parity": check_parity, "warmup": check_warmup, "compressors": check_compressors, "rebuild": check_rebuild,
-          "resume": check_resume, "join": check_join, "resize": check_resize}
+          "resume": check_resume, "join": check_join, "resize": check_resize,
+          "errors": check_errors}
 
 
 def init(port: int | None) -> None:
@@ -690,7 +722,8 @@ def main() -> None:
 
 def run_checks(checks: dict, names: list[str]) -> None:
     """Run ``checks[name]()`` for each name (stopping at the first that raises), print
-    this rank's ``RESULT {json}`` line (errors and info), then leave the process group."""
+    this rank's ``RESULT {json}`` line (errors and info), then destroy the process group
+    (which closes the hook states still open) and exit normally."""
     times = {}
     for name in names:
         began = time.perf_counter()
@@ -706,15 +739,7 @@ def run_checks(checks: dict, names: list[str]) -> None:
     INFO["seconds"] = times
     print("RESULT " + json.dumps({"rank": dist.get_rank(), "errors": ERRORS, "info": INFO}),
           flush=True)
-    dist.barrier()  # no teardown while a peer still talks (gloo aborts)
-    dist.destroy_process_group()
-    # the checks are done and reported: skip torch's own teardown, which can abort a gloo
-    # process at exit (not what these checks test); under mpirun, finalize MPI first
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-        mpi.Finalize()
-    sys.stdout.flush()
-    os._exit(0)
+    dist.destroy_process_group()      # as a user's script ends: no barrier, no os._exit
 
 
 if __name__ == "__main__":

@@ -86,7 +86,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.launcher == "torch":
         import torch.distributed as dist
 
-        dist.barrier()  # no teardown while a peer still talks (gloo aborts)
         dist.destroy_process_group()
     return 0
 

@@ -1,0 +1,98 @@
+"""When the DDP hook's states are closed: by hand, at interpreter exit, and when
+``torch.distributed.destroy_process_group`` runs.
+
+A :class:`~.hook.CommHookState` holds a worker thread and may hold a gloo group it made
+beside an NCCL group and a duplicated MPI communicator. Left to interpreter teardown, a
+worker still inside a gloo call or a process group destroyed after Python stopped can
+abort the process at exit ("terminate called without an active exception"). Every live
+state is :func:`register`-ed here; the first registration installs two triggers that
+close them first: an ``atexit`` handler (registered after torch's, so it runs before them)
+and a wrapper around ``torch.distributed.destroy_process_group`` that closes the states
+using the group being destroyed (every state, for the default group or ``None``) before
+torch destroys it. The wrapper is installed once, keeps the original's signature and
+docstring (``functools.wraps``) and calls it with the same arguments.
+
+Example:
+    >>> class Thing:
+    ...     closed = False
+    ...     def close(self): self.closed = True
+    ...     def uses(self, group): return True
+    >>> thing = Thing()
+    >>> register(thing); close_all(); thing.closed
+    True
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import sys
+import threading
+import weakref
+from typing import Any
+
+_LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
+_LOCK = threading.Lock()
+_installed = False
+#: torch's own destroy_process_group, once wrapped
+_original: Any = None
+
+
+def register(state: Any) -> None:
+    """Close ``state`` (``state.close()``) at exit and when its process group is destroyed;
+    ``state.uses(group)`` says whether it uses ``group``."""
+    with _LOCK:
+        _LIVE.add(state)
+    _install()
+
+
+def forget(state: Any) -> None:
+    """``state`` was closed: nothing more to do for it."""
+    with _LOCK:
+        _LIVE.discard(state)
+
+
+def close_all(group: Any = None) -> None:
+    """Close every live state (with ``group``: those that use it)."""
+    with _LOCK:
+        states = [s for s in _LIVE if group is None or s.uses(group)]
+    for state in states:
+        state.close()
+
+
+def destroy_group(group: Any) -> None:
+    """torch's own ``destroy_process_group(group)`` (no states closed: the caller is one)."""
+    import torch.distributed as dist
+
+    (_original or dist.destroy_process_group)(group)
+
+
+def _install() -> None:
+    global _installed, _original
+    with _LOCK:
+        if _installed:
+            return
+        _installed = True
+    atexit.register(close_all)
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available():
+        return                              # a state over MPI or threads: atexit suffices
+    from torch.distributed import distributed_c10d as c10d
+
+    original = c10d.destroy_process_group
+
+    @functools.wraps(original)
+    def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+        group = args[0] if args else kwargs.get("group")
+        if group is None or group is dist.group.WORLD:
+            close_all()
+        else:
+            close_all(group)
+        return original(*args, **kwargs)
+
+    _original = original
+    c10d.destroy_process_group = destroy_process_group
+    dist.destroy_process_group = destroy_process_group
+
+
+__all__ = ["close_all", "destroy_group", "forget", "register"]

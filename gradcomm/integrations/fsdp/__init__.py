@@ -10,7 +10,8 @@ their residuals:
    AVG, SUM or PREMUL_SUM (gradient divide factor).
 2. The reduce-scatter adds the module's error-feedback residual, over the *whole* local
    gradient, to every segment it sends, compresses each once, exchanges them
-   (``algorithm="auto"``: all-to-all, the qgZ shape; or ``"ring"``), and sums its own
+   (``algorithm="auto"``: all-to-all, the qgZ shape, on 3+ ranks; the chunked ring on 2),
+   and sums its own
    shard in rank order (:mod:`gradcomm.compressed.reduce_scatter`); 16-bit reduce dtypes
    run the codec in float32. Residuals are kept where the gradient lives.
 3. FSDP2 divides (if it does), casts back to the parameter dtype and accumulates the
@@ -95,7 +96,8 @@ def compress_fsdp(model: Any, compressor: Any = None, *, error_feedback: bool = 
             (torch's own reduce-scatter, bitwise).
         error_feedback: keep a residual per module over its whole local gradient (only
             for lossy codecs that are contractions; others warn and run without).
-        algorithm: ``"auto"`` (all-to-all), ``"alltoall"`` or ``"ring"``.
+        algorithm: ``"auto"`` (ring on 2 ranks, else all-to-all), ``"alltoall"`` or
+            ``"ring"``.
         seed: seeds the stochastic codecs.
         replicate_group: HSDP: the ProcessGroup of the replicate dimension; the shards
             are then averaged over it through the same codec (``set_all_reduce_hook``).

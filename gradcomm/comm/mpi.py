@@ -1,7 +1,8 @@
 """The MPI transport: mpi4py's buffer (upper-case) methods on a private communicator.
 
-:class:`MPITransport` duplicates the user's communicator once (``comm.Dup()``), so library
-messages can never match the program's own sends and receives. Buffers travel as raw bytes
+:class:`MPITransport` duplicates the user's communicator once (``MPI_Comm_idup``, waited
+with the deadline), so library messages can never match the program's own sends and
+receives. Buffers travel as raw bytes
 (``[buf, MPI.BYTE]``) straight from their memory: numpy arrays through the buffer protocol;
 device arrays (cupy, torch CUDA) through ``__cuda_array_interface__`` / DLPack when the MPI
 is CUDA-aware (see :attr:`MPITransport.devices`). Nothing is pickled.
@@ -52,6 +53,10 @@ _BOOL_OPS = {"sum": "LOR", "max": "LOR", "min": "LAND", "prod": "LAND"}
 CUDA_AWARE_ENV = "GRADCOMM_MPI_CUDA_AWARE"
 
 
+#: duplications abandoned at their deadline, kept alive (MPI may still complete them)
+_ABANDONED: list[tuple[Any, Any]] = []
+
+
 class _Req:
     """One pending Isend/Irecv/Ibarrier; ``test()`` checks a receive's size on completion."""
 
@@ -96,8 +101,8 @@ class MPITransport(Transport):
 
     Args:
         comm: an ``mpi4py.MPI.Intracomm`` (e.g. ``MPI.COMM_WORLD``). It is duplicated once
-            here (a collective call: every rank of ``comm`` must construct the transport);
-            :meth:`close` frees the duplicate.
+            here (a collective call: every rank of ``comm`` must construct the transport,
+            within ``timeout``, else DeadlineError); :meth:`close` frees the duplicate.
         timeout: seconds each blocking wait may take before ``DeadlineError``.
     """
 
@@ -118,11 +123,9 @@ class MPITransport(Transport):
         super().__init__(comm.Get_rank(), comm.Get_size(), timeout)
         self.MPI = MPI
         self.user_comm = comm
-        # Dup through a plain Intracomm: a subclass (e.g. gradcomm's own wrap()) must not
-        # leak its overridden methods into the library's private communicator
-        self._comm: Any = MPI.Intracomm(comm).Dup()
         self._byte = MPI.BYTE
         self._orphans: list[_Req] = []       # abandoned requests, kept with their buffers
+        self._comm: Any = self._duplicate(comm)
         self._cuda = cuda_aware()
         self.devices = frozenset({"cpu", "cuda"}) if self._cuda else frozenset({"cpu"})
         # (dtype, op) -> (MPI datatype, MPI op), filled on first use
@@ -130,6 +133,29 @@ class MPITransport(Transport):
         # non-blocking collectives abandoned at their deadline: until they complete (a late
         # peer joins them), a new collective here would match a peer's older one
         self._stuck: list[tuple[_Req, str]] = []
+
+    def _duplicate(self, comm: Any) -> Any:
+        """The private duplicate of ``comm``: ``MPI_Comm_idup`` polled with the deadline, so
+        a rank that never constructs its transport (skips the first call, or failed before
+        it) is a DeadlineError on the others, not a hang. An abandoned duplication cannot
+        be cancelled: it is kept (with its communicator) until the process ends."""
+        # through a plain Intracomm: a subclass (e.g. gradcomm's own wrap()) must not leak
+        # its overridden methods into the library's private communicator
+        plain = self.MPI.Intracomm(comm)
+        if self.size == 1:
+            return plain.Dup()
+        dup, req = plain.Idup()
+        r = _Req(self, req, None, 0, -1, -1)
+        try:
+            poll([r], self._deadline(None), lambda: _expired(
+                self, "creating the private communicator (MPI_Comm_idup, collective over "
+                "the communicator: every rank must reach its first gradcomm call)",
+                self.timeout))
+        except BaseException:
+            if not r.done:
+                _ABANDONED.append((dup, req))
+            raise
+        return dup
 
     @property
     def comm(self) -> Any:

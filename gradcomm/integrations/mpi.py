@@ -112,7 +112,8 @@ class GradcommComm:
         if op is None:
             op = MPI.SUM
         plan = _plan(MPI, self, sendbuf, recvbuf, op)
-        if plan is None:
+        if plan is None or isinstance(plan, Exception):
+            self._gradcomm_agree_forward(MPI, recvbuf, op, plan)
             return self._gradcomm_base.Allreduce(self, sendbuf, recvbuf, op)
         send, recv, dtype, opname = plan
         route = route or self._gradcomm_route(send, recv, dtype, opname)
@@ -129,6 +130,34 @@ class GradcommComm:
         self._gradcomm_reduce(rview, dtype, opname)
         arrays.sync(rview)                         # device results complete on return
         return None
+
+    def _gradcomm_agree_forward(self, MPI: Any, recvbuf: Any, op: Any,
+                                problem: Exception | None) -> None:
+        """Before a call goes to MPI's own (blocking, deadline-free) Allreduce: with
+        ``check``, the ranks agree on what they pass (the fields gradcomm's own path
+        checks, with algorithm "MPI_Allreduce"), so a rank whose op or buffer differs (BAND
+        on one rank, SUM on the others) is a MismatchError on every rank within the
+        deadline instead of one rank blocked inside MPI. ``problem``: this rank's own
+        objection (a read-only receive buffer), raised here on this rank."""
+        if not self.gradcomm_options.get("check", True) or not isinstance(
+                self, MPI.Intracomm) or self.Get_size() == 1:
+            if problem is not None:
+                raise problem
+            return
+        from ..collectives._check import agree
+        from ..errors import MismatchError
+
+        count, dtype = _describe(MPI, recvbuf)
+        try:
+            agree(self.gradcomm_transport, "allreduce", count=count, dtype=dtype,
+                  op=_any_op_name(MPI, op), algorithm="MPI_Allreduce",
+                  valid=problem is None)
+        except MismatchError:
+            if problem is not None:
+                raise problem from None
+            raise
+        if problem is not None:
+            raise problem
 
     def _gradcomm_route(self, send: _Buf | None, recv: _Buf, dtype: str, op: str) -> str:
         """"device" for a compressed sum whose codecs run where the buffers are
@@ -231,6 +260,36 @@ def _op_name(MPI: Any, op: Any) -> str | None:
         if op == getattr(MPI, attr):
             return name
     return None
+
+
+#: MPI's predefined ops by name, for the cross-rank check of calls handed to MPI
+_MPI_OPS = ("SUM", "MAX", "MIN", "PROD", "LAND", "BAND", "LOR", "BOR", "LXOR", "BXOR",
+            "MAXLOC", "MINLOC", "REPLACE", "NO_OP")
+
+
+def _any_op_name(MPI: Any, op: Any) -> str:
+    """The name of a predefined op, or "user-defined" (equal on ranks that create theirs in
+    another order)."""
+    for attr in _MPI_OPS:
+        if op == getattr(MPI, attr, None):
+            return attr
+    return "user-defined"
+
+
+def _describe(MPI: Any, spec: Any) -> tuple[int, str]:
+    """(bytes, datatype name) of a receive buffer spec handed to MPI, as far as they can
+    be told without MPI (-1 / "" where not): what the ranks compare before the call."""
+    obj, datatype = spec, None
+    if isinstance(spec, (list, tuple)) and spec:
+        obj, datatype = spec[0], spec[-1] if len(spec) > 1 else None
+    found = _storage_of(obj)
+    nbytes = -1 if found is None else int(found[2])
+    if isinstance(datatype, MPI.Datatype):
+        try:
+            return nbytes, datatype.Get_name() or "derived"
+        except MPI.Exception:
+            return nbytes, "derived"
+    return nbytes, "" if found is None else str(found[3])
 
 
 def _logical(MPI: Any, datatype: Any) -> str | None:
@@ -340,9 +399,10 @@ def _native_view(buf: _Buf, dtype: str) -> Any:
 
 
 def _plan(MPI: Any, comm: Any, sendbuf: Any, recvbuf: Any,
-          op: Any) -> tuple[_Buf | None, _Buf, str, str] | None:
-    """(send buffer or None for IN_PLACE, receive buffer, dtype, op) or None to hand the
-    call to MPI."""
+          op: Any) -> tuple[_Buf | None, _Buf, str, str] | ConfigError | None:
+    """(send buffer or None for IN_PLACE, receive buffer, dtype, op), None to hand the
+    call to MPI, or the ConfigError of a call that cannot be made (a read-only receive
+    buffer)."""
     if not isinstance(comm, MPI.Intracomm):
         return None
     opname = _op_name(MPI, op)
@@ -353,7 +413,8 @@ def _plan(MPI: Any, comm: Any, sendbuf: Any, recvbuf: Any,
         return None
     rbuf, dtype = recv
     if rbuf.view is not None and not rbuf.view.flags.writeable:
-        return None
+        return ConfigError("Allreduce: the receive buffer is read-only (the result could "
+                           "not be written)")
     if sendbuf is MPI.IN_PLACE:
         return None, rbuf, dtype, opname
     send = _spec(MPI, sendbuf)

@@ -129,3 +129,31 @@ def test_wrap_says_so_before_handing_a_disagreeing_call_to_mpi(n: int) -> None:
         assert r["band_vs_sum"] == "MismatchError", (rank, r)
         assert r["read_only"] == ("ConfigError" if rank == n - 1 else "MismatchError"), r
         assert r["band_all"] == [6] * 4 and r["after"] == [float(n)] * 4, r
+
+
+def float16_means() -> list:
+    import numpy as np
+    from mpi4py import MPI
+
+    import gradcomm
+    from gradcomm.comm import get_transport
+
+    t = get_transport(MPI.COMM_WORLD, timeout=20)
+    x = np.full(7, 6e4 - 32 * t.rank, np.float16)
+    x[1] = 1.0
+    return [gradcomm.allreduce(x, t, op="mean", algorithm=alg).tolist()
+            for alg in ("ring", "recursive_doubling", "auto")]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("n", [2, 3])
+def test_float16_mean_does_not_overflow_under_mpirun(n: int) -> None:
+    import numpy as np
+
+    require_mpi()
+    res = mpi_call(float16_means, n, timeout=60)
+    want = np.float16(np.mean([6e4 - 32 * r for r in range(n)]))
+    for r in res:
+        assert r == res[0]                                   # every rank, same values
+        for y in r:
+            assert y[0] == want and y[1] == 1.0, y

@@ -39,10 +39,12 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+import contextlib
+from typing import Any, Iterator, Protocol
 
 import numpy as np
 
+from ..comm.base import Transport
 from ..ops import Reducer
 
 
@@ -99,3 +101,14 @@ class DenseWire:
     def place(self, recv: Any, seg: Any) -> None:
         if recv is not seg:
             seg[...] = recv
+
+
+@contextlib.contextmanager
+def dense_wire(t: Transport, red: Reducer) -> Iterator[DenseWire]:
+    """A :class:`DenseWire` whose receive buffers are the transport's, lent to one call
+    (``t.state.scratch``): a concurrent call on the same transport gets private ones, and
+    a call that fails drops them (an abandoned message may still touch them)."""
+    pool = t.state.scratch.pop("dense", None)       # atomic: one call holds the pool
+    pool = {} if pool is None else pool
+    yield DenseWire(red, pool)
+    t.state.scratch["dense"] = pool                 # not reached when the call raised

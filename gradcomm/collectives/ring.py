@@ -38,7 +38,7 @@ from .. import arrays
 from ..comm.base import PIPELINE_CHUNK, TAG_DATA, Request, Transport
 from ..ops import Reducer
 from ._segments import ring_schedule
-from ._wire import DenseWire, Wire
+from ._wire import Wire, dense_wire
 
 #: the pipeline chunk of the in-process transport (and every transport's smallest)
 CHUNK_BYTES = PIPELINE_CHUNK
@@ -57,7 +57,11 @@ def allreduce(t: Transport, buf: Any, red: Reducer, *, tag: int = TAG_DATA,
     size = arrays.itemsize(buf)
     if chunk_bytes is None:
         chunk_bytes = t.chunk_bytes(-(-n // p) * size)
-    w = wire or DenseWire(red, t.state.scratch)
+    if wire is None:
+        with dense_wire(t, red) as w:
+            allreduce(t, buf, red, tag=tag, wire=w, chunk_bytes=chunk_bytes)
+        return
+    w = wire
     right, left = (rank + 1) % p, (rank - 1) % p
     last = 2 * p - 3                        # steps 0..p-2 reduce, p-1..2p-3 gather
     first, jobs = ring_schedule(n, p, rank, max(1, chunk_bytes // size))

@@ -37,7 +37,7 @@ from .. import arrays
 from ..comm.base import PIPELINE_CHUNK, TAG_DATA, Request, Transport
 from ..ops import Reducer
 from ._segments import chunks
-from ._wire import DenseWire, Wire
+from ._wire import Wire, dense_wire
 
 #: the pipeline chunk of the in-process transport (as ring's)
 CHUNK_BYTES = PIPELINE_CHUNK
@@ -70,7 +70,11 @@ def allreduce(t: Transport, buf: Any, red: Reducer, *, tag: int = TAG_DATA,
         return
     if chunk_bytes is None:
         chunk_bytes = t.chunk_bytes(n * arrays.itemsize(buf))
-    w = wire or DenseWire(red, t.state.scratch)
+    if wire is None:
+        with dense_wire(t, red) as w:
+            allreduce(t, buf, red, tag=tag, wire=w, chunk_bytes=chunk_bytes)
+        return
+    w = wire
     up, kids = parent(rank), children(rank, p)
     down = kids[::-1]                       # broadcast: largest subtree first
     pieces = chunks(0, n, max(1, chunk_bytes // arrays.itemsize(buf)))

@@ -172,3 +172,26 @@ def test_deep_window_on_real_transports(launcher: str, p: int) -> None:
 
 def json_key(d: dict[str, str]) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(d.items()))
+
+
+def test_receive_buffers_are_kept_after_a_call_and_dropped_after_a_failure() -> None:
+    """A dense ring keeps its receive buffers in the transport's state for the next call
+    (no page faults per call); one that failed mid-pipeline leaves none behind."""
+    def fn(t: Transport) -> tuple[bool, bool, bool]:
+        t.window_bytes = 400
+        buf = np.arange(3000, dtype=np.float32)
+        ring.allreduce(t, buf, Reducer("sum", "float32"), chunk_bytes=40)
+        kept = bool(t.state.scratch.get("dense"))
+        again = np.arange(3000, dtype=np.float32)
+        ring.allreduce(t, again, Reducer("sum", "float32"), chunk_bytes=40)
+        same = bool(np.array_equal(again, np.arange(3000, dtype=np.float32) * t.size))
+        t.timeout = 0.3
+        try:                                # only rank 0 calls: the others never join
+            if t.rank == 0:
+                ring.allreduce(t, again, Reducer("sum", "float32"), chunk_bytes=40)
+        except DeadlineError:
+            pass
+        return kept, same, "dense" in t.state.scratch
+
+    res = run_ranks(2, fn, timeout=20)
+    assert res[0] == (True, True, False) and res[1] == (True, True, True), res

@@ -27,10 +27,12 @@ from typing import Any, Callable, Mapping, Sequence
 from ... import arrays
 from ..._plan import Reduction
 from ...comm.base import Transport
+from ...compressed.guard import DEFAULT_BOUND, check_bound, default_clip
 from ...errors import ConfigError, GradcommError
 from . import checkpoint
 from . import lifecycle
 from .groups import resolve_transports
+from .momentum import momentum_correction
 from .replay import Replay
 from .residuals import ParameterResiduals
 from .routes import Routes
@@ -56,7 +58,10 @@ class CommHookState:
     def __init__(self, compressor: Any = None, *, algorithm: str = "auto",
                  error_feedback: bool = True, process_group: Any = None,
                  transport: Any = None, start_iter: int = 0, model: Any = None,
-                 seed: int = 0, timeout: float | None = None, **options: Any) -> None:
+                 seed: int = 0, timeout: float | None = None, guard: bool = True,
+                 residual_bound: float | None = DEFAULT_BOUND, momentum: float | None = None,
+                 optimizer: Any = None, clip: float | None | str = "auto",
+                 **options: Any) -> None:
         if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
             raise ConfigError(f"start_iter must be an int >= 0, got {start_iter!r}")
         #: the validated configuration (the same checks and words as Allreduce and wrap)
@@ -70,8 +75,13 @@ class CommHookState:
         self._transports = resolve_transports(transport, process_group, timeout)
         messages = self._transports.messages
         self.residuals = ParameterResiduals(self.error_feedback)
+        if clip == "auto":
+            clip = default_clip(self.compressor) if guard and self.error_feedback else None
         self.routes = Routes(messages, self._transports.library, self.reduction,
-                             self.residuals)
+                             self.residuals, guard=guard,
+                             residual_bound=check_bound(residual_bound),
+                             momentum=momentum_correction(self.compressor, momentum,
+                                                          optimizer), clip=clip)
         self.iter = 0
         self._names: dict[int, str] | None = None
         self._position: dict[int, str] = {}
@@ -378,8 +388,39 @@ def make_comm_hook(compressor: Any = None, *, algorithm: str = "auto",
             gradcomm Transport.
         start_iter: backward passes to run uncompressed first.
         model: the DDP model (or its module), to name residuals after its parameters.
+        optimizer: the training's optimizer. A ``torch.optim.SGD`` with momentum turns
+            on **momentum correction** (:mod:`.momentum`, DGC) for ``topk``, ``randomk``
+            and ``onebit``: the hook compresses each rank's velocity instead of its
+            gradient and undoes SGD's own momentum on the result, so ``SGD(momentum=m)``
+            performs DGC's update. These codecs need it: their error feedback holds
+            mass back for many steps, and SGD's momentum then amplifies the stale
+            updates (top-k 1 % loses 2-6 points, random-k diverges; bench/RESULTS.md).
+            Other codecs' errors are small and fresh: not applied. Adam cannot be
+            corrected (a warning says so): use
+            :class:`gradcomm.integrations.onebit_adam.OneBitAdam`.
+        momentum: hook-side momentum correction without ``optimizer``: the hook keeps
+            the velocity (factor ``momentum``) and returns the reduced velocity; use it
+            with momentum-free SGD.
+        guard: the **divergence guard** (:mod:`gradcomm.compressed.guard`): after a
+            bucket whose result or residuals hold a non-finite value (or a residual norm
+            above ``residual_bound`` times the largest earlier input norm) on any rank,
+            every rank resets that unit's residuals, codec state and velocity
+            (``stats["guard_resets"]``, a GuardWarning); one small allreduce per
+            compressed bucket. The NaN step's own result stays NaN, as AMP's scaler
+            expects; the later steps are finite.
+        residual_bound: see ``guard`` (default 1000; None: only non-finite values).
+        clip: **clipping that respects error feedback**: a reduced bucket longer than
+            ``clip`` times the sum of the ranks' input norms is scaled down to it and
+            what is cut off goes back into the residuals (nothing is lost, it arrives
+            later). ``"auto"``: ``sqrt(ratio)`` for ``randomk`` (unclipped, its error
+            feedback sends many steps' worth of a coordinate at once and diverges at
+            momentum 0.9), None (off) for the other codecs.
         options: codec options, plus ``seed`` (stochastic codecs) and ``timeout``
             (seconds per blocking wait).
+
+    Convergence (bench/converge.py, bench/RESULTS.md): pass ``optimizer=`` for topk,
+    randomk and onebit; ``start_iter`` (a few hundred steps) helps top-k 0.1 %; with
+    AdamW use :class:`~gradcomm.integrations.onebit_adam.OneBitAdam`.
 
     See the module docstring for the steps, checkpoints and parity.
     """

@@ -104,6 +104,26 @@ class ParameterResiduals:
         """Names of the stored residuals (parameters and ``unit#hop`` entries)."""
         return iter(sorted(self._residuals))
 
+    def sq_norm(self) -> float:
+        """Sum of squares of every residual held (parameters and hops), in float64."""
+        return float(sum(float((arrays.host(e).astype(np.float64) ** 2).sum())
+                         for e in self._residuals.values()))
+
+    def unit_arrays(self, unit: str) -> list[Any]:
+        """The residuals of unit ``unit``'s parameters and hops (what the guard checks)."""
+        names = set(self.units.get(unit, ([], []))[0])
+        prefix = unit + HOP_SEP
+        return [e for k, e in self._residuals.items() if k in names or k.startswith(prefix)]
+
+    def clear_unit(self, unit: str) -> None:
+        """Zero the residuals of unit ``unit``'s parameters and hops and drop their codec
+        state (PowerSGD's ``Q``): the divergence guard's reset, on every rank alike."""
+        names = set(self.units.get(unit, ([], []))[0])
+        for e in self.unit_arrays(unit):
+            arrays.assign(e, 0.0)
+        for k in [k for k in self._extras if k.split(HOP_SEP)[0] in names]:
+            del self._extras[k]
+
     def extra(self, name: str) -> np.ndarray | None:
         """The codec state stored under ``name``, or None."""
         return self._extras.get(name)

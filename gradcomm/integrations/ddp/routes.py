@@ -45,7 +45,9 @@ from ... import arrays
 from ..._plan import Reduction
 from ...collectives import DENSE, dense_allreduce
 from ...comm.base import Transport
-from ...errors import UnsupportedError
+from ...compressed.guard import DEFAULT_BOUND, Guard
+from ...errors import ConfigError, UnsupportedError
+from .momentum import MomentumCorrection
 from .residuals import ParameterResiduals, unit_key
 
 #: compressed algorithms the hook runs where the bucket lives (gather routes; "auto" means
@@ -87,12 +89,25 @@ class Routes:
     """
 
     def __init__(self, transport: Transport, library: Transport | None, reduction: Reduction,
-                 residuals: ParameterResiduals) -> None:
+                 residuals: ParameterResiduals, *, guard: bool = True,
+                 residual_bound: float | None = DEFAULT_BOUND,
+                 momentum: MomentumCorrection | None = None,
+                 clip: float | None = None) -> None:
         self.transport, self.library = transport, library
         self.compressor, self.algorithm = reduction.compressor, reduction.algorithm
         self.seed = int(reduction.seed or 0)
         self.residuals = residuals
         self.stats = {"buckets": 0, "bytes_sent": 0, "native_nbytes": 0, "comm_seconds": 0.0}
+        stateful = residuals.enabled or momentum is not None or (
+            self.compressor is not None and self.compressor.name == "powersgd")
+        if clip is not None and not (guard and stateful):
+            raise ConfigError("clip= needs the guard (guard=True) and error feedback: it "
+                              "is decided in the guard's agreement and gives back to the "
+                              "residuals")
+        #: the divergence guard (:mod:`gradcomm.compressed.guard`; None: off, or no state
+        #: to poison) and DGC's momentum correction (:mod:`.momentum`, or None)
+        self.guard = Guard(residual_bound, self.stats, clip) if guard and stateful else None
+        self.momentum = momentum
         #: (count, dtype, compressed) of the units already agreed across ranks
         self.checked: set[tuple[int, str, bool]] = set()
         self.no_native: set[str] = set()       # dtypes the library cannot reduce
@@ -240,6 +255,45 @@ class Routes:
         return self.algorithm if self.algorithm in DENSE else "auto"
 
     def _compressed(self, x: Any, plan: Plan, keys: list[str], lengths: list[int],
+                    check: bool, step: int) -> Any:
+        """:meth:`_collective` of ``x`` with the convergence mechanisms around it: the
+        momentum correction turns ``x`` into the velocity first and undoes the
+        optimizer's momentum on the result; the guard then resets the unit's state on
+        every rank after a non-finite value or a runaway residual, or clips the result
+        (what it cuts off goes back into the residuals)."""
+        guard, mc = self.guard, self.momentum
+        if mc is not None:
+            mc.before(keys, lengths, x)          # x <- the velocity
+        if guard is not None:
+            guard.observe(plan.unit, x)
+        out = self._collective(x, plan, keys, lengths, check, step)
+        reason = None
+        if guard is not None:
+            reason = guard.check(self.transport, plan.unit,
+                                 self.residuals.unit_arrays(plan.unit), out)
+            if reason is None and guard.factor < 1.0:
+                self._give_back(out, keys, lengths, guard.factor)
+        if mc is not None:
+            mc.after(keys, lengths, out)
+        if reason is not None:                   # on every rank alike
+            self.residuals.clear_unit(plan.unit)
+            if mc is not None:
+                mc.reset(keys)
+        return out
+
+    def _give_back(self, out: Any, keys: list[str], lengths: list[int],
+                   factor: float) -> None:
+        """``out *= factor``; each rank's residuals get ``(1 - factor) / p`` of the
+        original ``out``, so the ranks together still owe all of it."""
+        share = (1.0 - factor) / self.transport.size
+        a = 0
+        for k, n in zip(keys, lengths):
+            e = self.residuals.residual(k, n, arrays.dtype_name(out), like=out)
+            e += share * out[a:a + n]
+            a += n
+        out *= factor
+
+    def _collective(self, x: Any, plan: Plan, keys: list[str], lengths: list[int],
                     check: bool, step: int) -> Any:
         """Compressed allreduce (sum) of flat ``x`` (host numpy, or a tensor reduced where
         it lives) with the residuals of ``keys``: the planned route when there is one,

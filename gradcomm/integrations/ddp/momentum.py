@@ -1,0 +1,154 @@
+"""Momentum correction for the DDP hook (DGC, Lin et al. 2018): compress the velocity.
+
+With error feedback, a gradient coordinate a sparsifier or 1-bit codec holds back is sent
+steps later, and the optimizer's momentum then applies to it as if it were fresh: the
+update is stale and, with momentum 0.9, amplified (issue 13: top-k 0.1 % loses points,
+random-k diverges). DGC moves the momentum in front of the codec: every rank keeps a
+local velocity ``u ← m·u + g`` per parameter and error feedback compresses ``e + u``;
+for sparse codecs, coordinates that were applied have their velocity cleared (*factor
+masking*), so they do not keep pushing.
+
+The aggregated result ``D_t`` then already holds the momentum; the optimizer must not add
+its own. When the hook is given the optimizer (``make_comm_hook(..., optimizer=opt)``)
+and that is ``torch.optim.SGD`` with momentum ``m`` (dampening 0, no Nesterov), the hook
+hands DDP ``D_t − m·D_{t−1}``: SGD's buffer ``b_t = m·b_{t−1} + d_t`` is then exactly
+``D_t``, so the user keeps ``SGD(momentum=0.9)`` and gets DGC's update (weight decay
+still goes through SGD's momentum, as without compression). With ``momentum=m`` and no
+optimizer the hook's output is ``D_t`` itself: use SGD without momentum.
+
+State per parameter (``u`` and ``D_{t−1}``), kept per rank; the divergence guard resets
+it with the residuals. It is not in the hook's ``state_dict`` yet: a resumed run starts
+the velocity from zero (not bitwise equal to the unbroken run).
+
+Example:
+    >>> import numpy as np
+    >>> mc = MomentumCorrection(0.5, optimizer_momentum=0.5, mask=False)
+    >>> x = np.ones(3, np.float32)
+    >>> mc.before(["w"], [3], x); x.tolist()          # u = g
+    [1.0, 1.0, 1.0]
+    >>> out = x.copy(); mc.after(["w"], [3], out); out.tolist()   # D_1 - 0.5 * 0
+    [1.0, 1.0, 1.0]
+    >>> x = np.ones(3, np.float32); mc.before(["w"], [3], x); x.tolist()   # 0.5 u + g
+    [1.5, 1.5, 1.5]
+    >>> out = x.copy(); mc.after(["w"], [3], out); out.tolist()   # D_2 - 0.5 D_1
+    [1.0, 1.0, 1.0]
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Sequence
+
+from ... import arrays
+from ...errors import ConfigError
+
+#: codecs whose output is sparse: their momentum is masked where an update was applied
+MASKED_CODECS = ("topk", "randomk")
+#: codecs that get momentum correction from ``optimizer=``: the sparsifiers and 1-bit SGD,
+#: whose error feedback holds mass back for many steps (measured in bench/converge.py;
+#: the others' errors are small and fresh: fp16, bf16, int8, qsgd, terngrad, powersgd)
+CORRECTED_CODECS = ("topk", "randomk", "onebit")
+
+
+def optimizer_momentum(optimizer: Any) -> float:
+    """The momentum ``torch.optim.SGD`` ``optimizer`` applies (every param group alike;
+    0.0 for other optimizers, with a warning: the hook cannot undo Adam's moments, use
+    :mod:`gradcomm.integrations.onebit_adam`), or ConfigError for SGD settings the hook
+    cannot undo (dampening, Nesterov, groups that differ)."""
+    import torch
+
+    if not isinstance(optimizer, torch.optim.SGD):
+        warnings.warn(f"make_comm_hook(optimizer=...): momentum correction works with "
+                      f"torch.optim.SGD, not {type(optimizer).__qualname__}; it is off. For "
+                      "Adam use gradcomm.integrations.onebit_adam.OneBitAdam",
+                      UserWarning, stacklevel=4)
+        return 0.0
+    found = {(float(g.get("momentum", 0.0)), float(g.get("dampening", 0.0)),
+              bool(g.get("nesterov", False))) for g in optimizer.param_groups}
+    if len(found) != 1:
+        raise ConfigError(f"the optimizer's param groups differ in momentum: {sorted(found)}")
+    m, dampening, nesterov = found.pop()
+    if m and (dampening or nesterov):
+        raise ConfigError("momentum correction needs SGD with dampening=0 and "
+                          "nesterov=False")
+    return m
+
+
+def momentum_correction(codec: Any, momentum: float | None,
+                        optimizer: Any) -> MomentumCorrection | None:
+    """The hook's momentum correction for lossy ``codec``: ``momentum`` (default: the
+    optimizer's), undoing ``optimizer``'s SGD momentum if one is given; None if neither
+    asks for one (or the codec is lossless)."""
+    if codec is None or not codec.lossy:
+        return None
+    undo = 0.0
+    if optimizer is not None and codec.name in CORRECTED_CODECS:
+        undo = optimizer_momentum(optimizer)
+    m = undo if momentum is None else momentum
+    if not m:
+        return None
+    return MomentumCorrection(float(m), undo, mask=codec.name in MASKED_CODECS)
+
+
+class MomentumCorrection:
+    """Per-parameter velocity before the codec and the optimizer's momentum undone after.
+
+    ``momentum``: the velocity's factor (DGC's m); ``optimizer_momentum``: the momentum
+    the optimizer applies afterwards (0: none; else it is undone); ``mask``: clear the
+    velocity where the reduced result is nonzero (sparse codecs).
+    """
+
+    def __init__(self, momentum: float, optimizer_momentum: float = 0.0,
+                 mask: bool = False) -> None:
+        if not 0.0 < momentum < 1.0:
+            raise ConfigError(f"momentum must be in (0, 1), got {momentum!r}")
+        if not 0.0 <= optimizer_momentum < 1.0:
+            raise ConfigError(f"the optimizer's momentum must be in [0, 1), got "
+                              f"{optimizer_momentum!r}")
+        self.momentum, self.undo, self.mask = float(momentum), float(optimizer_momentum), mask
+        self._velocity: dict[str, Any] = {}
+        self._previous: dict[str, Any] = {}
+
+    def _slices(self, keys: Sequence[str], lengths: Sequence[int]):
+        a = 0
+        for k, n in zip(keys, lengths):
+            yield k, a, a + int(n)
+            a += int(n)
+
+    def before(self, keys: Sequence[str], lengths: Sequence[int], x: Any) -> None:
+        """``u ← m·u + x`` per parameter, then ``x ← u`` (in place)."""
+        for k, a, b in self._slices(keys, lengths):
+            u = self._velocity.get(k)
+            if u is None or arrays.size(u) != b - a or arrays.dtype_name(u) != \
+                    arrays.dtype_name(x) or arrays.is_host(u) != arrays.is_host(x):
+                self._velocity[k] = arrays.clone(x[a:b])
+                continue
+            u *= self.momentum
+            u += x[a:b]
+            x[a:b] = u
+
+    def after(self, keys: Sequence[str], lengths: Sequence[int], out: Any) -> None:
+        """Mask the velocity where ``out`` (the reduced velocity) is nonzero; undo the
+        optimizer's momentum: ``out ← out − m_opt·out_prev`` (in place)."""
+        for k, a, b in self._slices(keys, lengths):
+            o = out[a:b]
+            if self.mask:
+                u = self._velocity.get(k)
+                if u is not None:
+                    u[o != 0] = 0
+            if self.undo:
+                prev = self._previous.get(k)
+                now = arrays.clone(o)
+                if prev is not None and arrays.size(prev) == b - a and \
+                        arrays.is_host(prev) == arrays.is_host(o):
+                    o -= self.undo * prev
+                self._previous[k] = now
+
+    def reset(self, keys: Sequence[str]) -> None:
+        """Forget the velocity and previous result of ``keys`` (the guard's reset)."""
+        for k in keys:
+            self._velocity.pop(k, None)
+            self._previous.pop(k, None)
+
+
+__all__ = ["CORRECTED_CODECS", "MASKED_CODECS", "MomentumCorrection", "momentum_correction", "optimizer_momentum"]

@@ -1,0 +1,70 @@
+"""Compressed DDP training converges and survives a bad step (issues 13 and 14 item 1).
+
+Real gloo processes (``scripts/converge_checks.py``, several checks per launch). Not
+timed: these are about where training ends, not how fast.
+
+* A NaN planted in one rank's batch, the step skipped as AMP's GradScaler would: with the
+  divergence guard every later step is finite on every rank, for topk, fp16, randomk,
+  int8, onebit and powersgd, every rank counted the same resets; with ``guard=False``
+  (the planted fault, run in the same launch) every later step is NaN, so the check can
+  fail.
+* A small teacher-student task (cross-entropy; uncompressed 0.68 after 120 steps, 1.38
+  at the start), SGD with momentum 0.9, lr 0.1, 2 ranks: every codec with its defaults
+  (``optimizer=`` passed, which turns on momentum correction for topk, randomk and
+  onebit) ends within ``TIGHT`` = 0.05 of the uncompressed loss (fp16, bf16, int8, qsgd,
+  top-k 1 %) or ``LOOSE`` = 0.2 (terngrad, powersgd rank 1, onebit: measured 0.12, 0.17,
+  0.07 above), except random-k 1 %, which is only required not to diverge (it updates
+  each coordinate about once per 100 steps: 120 steps cannot train it; see
+  bench/RESULTS.md); onebit, randomk and topk without ``optimizer=`` do not diverge
+  either; top-k with error feedback beats top-k without.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+from tests._launch import torchrun  # noqa: E402
+
+CHECKS = Path(__file__).parent / "scripts" / "converge_checks.py"
+#: final loss (cross-entropy on the whole task) at most this above the uncompressed one
+TIGHT, LOOSE = 0.05, 0.2
+CLOSE = {"fp16": TIGHT, "bf16": TIGHT, "int8": TIGHT, "qsgd": TIGHT, "topk:opt=1": TIGHT,
+         "terngrad": LOOSE, "powersgd": LOOSE, "onebit:opt=1": LOOSE}
+CODECS = ("fp16", "bf16", "int8", "qsgd", "terngrad", "powersgd", "topk:opt=1",
+          "onebit:opt=1", "topk:opt=1;ef=0", "randomk:opt=1", "randomk", "onebit", "topk")
+
+
+@pytest.mark.timeout(200)
+def test_a_nan_on_one_rank_leaves_later_steps_finite_on_every_rank():
+    results = torchrun(CHECKS, 3, "nan", timeout=190).clean_results(3)
+    for r in results:
+        for name, v in r["info"]["nan"].items():
+            codec, mode = name.split("/")
+            later = v["finite"][3:]
+            if mode == "guard":
+                assert all(later) and v["resets"] >= 1, (name, v)
+            else:
+                assert not any(later), (name, v)      # the fault the guard removes
+    decisions = {json.dumps({k: v["resets"] for k, v in r["info"]["nan"].items()})
+                 for r in results}
+    assert len(decisions) == 1, decisions
+
+
+@pytest.mark.timeout(300)
+def test_every_codec_trains_to_the_uncompressed_loss_and_none_diverges():
+    results = torchrun(CHECKS, 2, "train=120@" + ",".join(CODECS), timeout=290)
+    losses = results.clean_results(2)
+    assert losses[0]["info"] == losses[1]["info"]           # the same model everywhere
+    loss = losses[0]["info"]["train"]
+    ref, initial = loss["none"], loss["initial"]
+    for name in CODECS:
+        assert math.isfinite(loss[name]) and loss[name] < initial, (name, loss)
+        if name in CLOSE:
+            assert loss[name] <= ref + CLOSE[name], (name, loss)
+    assert loss["topk:opt=1"] < loss["topk:opt=1;ef=0"], loss

@@ -13,6 +13,7 @@ import math
 import numpy as np
 import pytest
 
+from gradcomm.collectives._check import NATIVE_FIELDS
 from gradcomm.collectives import algorithm, dense_allreduce
 from gradcomm.ops import Reducer
 from gradcomm.comm import run_ranks
@@ -188,7 +189,8 @@ def test_power_of_two_textbook(p: int) -> None:
 
 @pytest.mark.timeout(60)
 def test_check_costs_one_small_recursive_doubling() -> None:
-    """``check=True`` adds exactly one recursive doubling over 2 x 5 int64 fields."""
+    """``check=True`` adds exactly one recursive doubling over 2 x NATIVE_FIELDS int64
+    fields (the fixed size of the check, so that different collectives still compare)."""
     p, n = 6, 1000
 
     def fn(t) -> tuple[int, int]:
@@ -201,4 +203,4 @@ def test_check_costs_one_small_recursive_doubling() -> None:
         return (t.stats.bytes_sent - base[0], t.stats.messages_sent - base[1])
 
     for r, extra in enumerate(run_ranks(p, fn, timeout=30)):
-        assert extra == rd_cost(p, r, 10, 8)[:2]
+        assert extra == rd_cost(p, r, 2 * NATIVE_FIELDS, 8)[:2]

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import gradcomm
+from gradcomm.collectives._check import NATIVE_FIELDS
 from gradcomm.collectives import sparse_allgather as sa
 from gradcomm.comm import run_ranks
 from gradcomm.errors import ConfigError, MismatchError, PayloadError
@@ -73,7 +74,7 @@ def test_dense_switch_same_answer_fewer_bytes() -> None:
             gathered = (k_total - len(pairs[-1][0])) * 12
             if dense:
                 assert sent < gathered         # the switch paid off
-                assert sent <= 2 * n * (8 + 1) + 200     # + check and size rounds
+                assert sent <= 2 * n * (8 + 1) + 2 * 2 * NATIVE_FIELDS * 8 + 200  # + check, sizes
 
 
 def test_dense_switch_keeps_explicit_zeros() -> None:

@@ -1,0 +1,185 @@
+"""1-bit Adam (Tang et al. 2021): dense Adam for a warm-up, then compressed momentum.
+
+Compressing Adam's *gradients* fails: the second moment ``v`` of a compressed, error-
+compensated gradient is not the gradient's, and the update ``m / sqrt(v)`` amplifies the
+codec's noise where ``v`` is small. 1-bit Adam instead
+
+1. runs ``warmup_steps`` of ordinary (AdamW) steps on the averaged gradient;
+2. then freezes ``v`` (it changes slowly after the warm-up) and, at every step, each rank
+   updates its momentum with its *local* gradient, ``m_r = b1 m + (1 - b1) g_r``, and the
+   ranks average ``m_r`` through a codec with error feedback (``gradcomm.Allreduce``,
+   default ``"onebit"``): one bit per element on the wire instead of 32. What is
+   compressed is the *preconditioned* momentum ``m_r / (sqrt(v) + eps)`` (the frozen
+   ``v`` is the same on every rank, so this is exact before compression): the codec's
+   error is then in units of the update and not amplified where ``v`` is tiny. Sending
+   ``m_r`` itself, as the paper does, diverged on digits, whose constant pixels have
+   ``v = 0``: 1-bit's reconstruction of their zero momentum, divided by ``eps``, is huge;
+3. updates ``p -= lr (m / (sqrt(v) + eps) + weight_decay p)`` (decoupled decay).
+
+Use it with DDP by registering :func:`onebit_adam_hook` with the optimizer as its state:
+during the warm-up the hook averages the gradients (gloo/NCCL's own allreduce), after it
+the hook hands DDP the local gradient untouched (no communication: the optimizer
+communicates the momentum). Without DDP (the same initial parameters on every rank) it
+averages the warm-up gradients itself::
+
+    opt = OneBitAdam(ddp.parameters(), lr=1e-3, warmup_steps=100)
+    ddp.register_comm_hook(opt, onebit_adam_hook)
+
+``state_dict()`` holds the moments, the step and the error-feedback residuals.
+
+Example:
+    >>> import torch
+    >>> from gradcomm.comm import run_ranks
+    >>> def fn(t):
+    ...     w = torch.nn.Parameter(torch.ones(4))
+    ...     opt = OneBitAdam([w], comm=t, lr=0.1, warmup_steps=1)
+    ...     for _ in range(3):
+    ...         w.grad = torch.full((4,), float(t.rank + 1))
+    ...         opt.step()
+    ...     return [round(x, 4) for x in w.tolist()]
+    >>> a, b = run_ranks(2, fn); a == b
+    True
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+
+from .._allreduce import Allreduce
+from ..errors import ConfigError
+
+#: default warm-up (dense Adam) steps; measured in bench/converge.py (bench/RESULTS.md)
+DEFAULT_WARMUP = 100
+
+
+class OneBitAdam(torch.optim.Optimizer):
+    """AdamW whose momentum is averaged through a codec after ``warmup_steps`` dense steps.
+
+    ``comm``: what :class:`gradcomm.Allreduce` takes (None: torch's default group if
+    initialised); ``compressor`` and ``options``: the momentum's codec (default 1-bit);
+    ``guard``: the divergence guard of that Allreduce. All parameters must be on every
+    rank in the same order (as for DDP).
+    """
+
+    def __init__(self, params: Iterable[Any], comm: Any = None, *, lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.01, warmup_steps: int = DEFAULT_WARMUP,
+                 compressor: Any = "onebit", guard: bool = True, **options: Any) -> None:
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or \
+                warmup_steps < 1:
+            raise ConfigError(f"warmup_steps must be an int >= 1 (the variance is frozen "
+                              f"after it), got {warmup_steps!r}")
+        if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
+            raise ConfigError(f"betas must be in [0, 1), got {betas!r}")
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.warmup_steps = warmup_steps
+        self.comm = comm
+        self.allreduce = Allreduce(comm, op="mean", compressor=compressor,
+                                   error_feedback=True, guard=guard, **options)
+        self.dense = Allreduce(comm, op="mean")
+        self.steps = 0
+        self.hooked = False          # set by onebit_adam_hook: DDP averages the warm-up
+
+    @property
+    def compressing(self) -> bool:
+        """Whether the next step averages the momentum through the codec."""
+        return self.steps >= self.warmup_steps
+
+    def _params(self) -> list[Any]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def _flat_grads(self, params: list[Any]) -> torch.Tensor:
+        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p))
+                          .detach().reshape(-1).float() for p in params])
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        loss = closure() if closure is not None else None
+        params = self._params()
+        g = self._flat_grads(params)
+        compressing = self.compressing
+        if not compressing and not self.hooked:
+            g = self._reduce(self.dense, g)
+        offset = 0
+        ms, denoms = [], []
+        t = min(self.steps + 1, self.warmup_steps)     # v's bias correction freezes too
+        for p in params:
+            n = p.numel()
+            st = self.state[p]
+            if not st:
+                st["exp_avg"] = torch.zeros(n, dtype=torch.float32, device=p.device)
+                st["exp_avg_sq"] = torch.zeros(n, dtype=torch.float32, device=p.device)
+            group = self._group(p)
+            b1, b2 = group["betas"]
+            gi = g[offset:offset + n]
+            st["exp_avg"].mul_(b1).add_(gi, alpha=1 - b1)
+            if not compressing:
+                st["exp_avg_sq"].mul_(b2).addcmul_(gi, gi, value=1 - b2)
+            ms.append(st["exp_avg"])
+            denoms.append((st["exp_avg_sq"] / (1 - b2 ** t)).sqrt_().add_(group["eps"]))
+            offset += n
+        if compressing:     # average the local momenta, preconditioned, through the codec
+            z = self._reduce(self.allreduce, torch.cat([m / d for m, d in zip(ms, denoms)]),
+                             key="momentum")
+            offset = 0
+            for mi, d in zip(ms, denoms):
+                mi.copy_(z[offset:offset + mi.numel()] * d)
+                offset += mi.numel()
+        self.steps += 1
+        for p, mi, d in zip(params, ms, denoms):
+            group = self._group(p)
+            b1 = group["betas"][0]
+            if group["weight_decay"]:
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+            step = (mi / d).div_(1 - b1 ** self.steps)
+            p.add_(step.view_as(p).to(p.dtype), alpha=-group["lr"])
+        return loss
+
+    def _group(self, p: Any) -> dict[str, Any]:
+        for group in self.param_groups:
+            if any(q is p for q in group["params"]):
+                return group
+        raise ConfigError("parameter not in any param group")
+
+    def _reduce(self, ar: Allreduce, x: torch.Tensor, key: str = "default") -> torch.Tensor:
+        out = ar(x.cpu() if x.device.type != "cpu" else x, key=key)
+        return out.to(x.device)
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        sd["onebit"] = {"steps": self.steps, "warmup_steps": self.warmup_steps,
+                        "ef": {k: torch.as_tensor(v) for k, v in
+                               self.allreduce.state_dict().items()
+                               if not isinstance(v, str)}}
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("onebit", None)
+        if extra is None:
+            raise ConfigError("not a OneBitAdam state dict (no 'onebit' entry)")
+        super().load_state_dict(state_dict)
+        self.steps = int(extra["steps"])
+        ef = {k: (v.numpy() if v.ndim else int(v)) for k, v in extra["ef"].items()}
+        ef["allreduce/compressor"] = self.allreduce._signature()
+        self.allreduce.load_state_dict(ef)
+
+
+def onebit_adam_hook(opt: OneBitAdam, bucket):  # type: ignore[no-untyped-def]
+    """DDP comm hook for :class:`OneBitAdam`: average during its warm-up, then hand DDP
+    the local gradient (the optimizer averages the momentum). Unannotated: DDP checks."""
+    import torch.distributed as dist
+
+    opt.hooked = True
+    buf = bucket.buffer()
+    if opt.compressing:
+        fut: Any = torch.futures.Future()
+        fut.set_result(buf)
+        return fut
+    buf.div_(dist.get_world_size())
+    return dist.all_reduce(buf, async_op=True).get_future().then(lambda f: f.value()[0])
+
+
+__all__ = ["DEFAULT_WARMUP", "OneBitAdam", "onebit_adam_hook"]

@@ -1,0 +1,74 @@
+"""OneBitAdam: AdamW during the warm-up, then frozen variance and compressed momentum."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from gradcomm.comm import run_ranks  # noqa: E402
+from gradcomm.errors import ConfigError  # noqa: E402
+from gradcomm.integrations.onebit_adam import OneBitAdam  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _grad(rank: int, step: int, n: int = 300) -> torch.Tensor:
+    rng = np.random.default_rng((rank, step))
+    return torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+
+
+def _train(t, steps: int, warmup: int, resume_at: int | None = None):
+    w = torch.nn.Parameter(torch.linspace(-1, 1, 300))
+    opt = OneBitAdam([w], comm=t, lr=0.01, warmup_steps=warmup)
+    v_after_warmup = None
+    for s in range(steps):
+        if resume_at is not None and s == resume_at:
+            sd, wsave = opt.state_dict(), w.detach().clone()
+            w = torch.nn.Parameter(wsave)
+            opt = OneBitAdam([w], comm=t, lr=0.01, warmup_steps=warmup)
+            opt.load_state_dict(sd)
+        w.grad = _grad(t.rank, s)
+        opt.step()
+        if s == warmup - 1:
+            v_after_warmup = opt.state[w]["exp_avg_sq"].clone()
+    return w.detach().numpy().copy(), opt.state[w]["exp_avg_sq"].clone(), v_after_warmup
+
+
+def test_the_warmup_is_adamw_on_the_averaged_gradient():
+    got = run_ranks(2, lambda t: _train(t, 4, warmup=10)[0])
+    w = torch.nn.Parameter(torch.linspace(-1, 1, 300))
+    ref = torch.optim.AdamW([w], lr=0.01)
+    for s in range(4):
+        w.grad = (_grad(0, s) + _grad(1, s)) / 2
+        ref.step()
+    for g in got:
+        np.testing.assert_allclose(g, w.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_after_the_warmup_the_variance_is_frozen_and_the_replicas_agree():
+    results = run_ranks(3, lambda t: _train(t, 8, warmup=3))
+    (w0, v0, frozen0), *others = results
+    assert torch.equal(v0, frozen0)                   # v did not move after step 3
+    for w, _, _ in others:
+        assert w.tobytes() == w0.tobytes()            # every rank holds the same bytes
+    dense = run_ranks(3, lambda t: _train(t, 8, warmup=100)[0])[0]
+    assert not np.array_equal(dense, w0)              # the codec did run
+    assert np.abs(dense - w0).max() < 0.05            # ... and stayed close to AdamW
+
+
+def test_a_checkpoint_resumes_bitwise():
+    unbroken = run_ranks(2, lambda t: _train(t, 7, warmup=3)[0])
+    resumed = run_ranks(2, lambda t: _train(t, 7, warmup=3, resume_at=5)[0])
+    assert [w.tobytes() for w in unbroken] == [w.tobytes() for w in resumed]
+
+
+def test_bad_options():
+    w = torch.nn.Parameter(torch.ones(2))
+    with pytest.raises(ConfigError):
+        OneBitAdam([w], comm=None, warmup_steps=0)
+    with pytest.raises(ConfigError):
+        OneBitAdam([w], comm=None, betas=(1.0, 0.999))
+    with pytest.raises(ConfigError):
+        OneBitAdam([w], comm=None).load_state_dict({"state": {}, "param_groups": []})

@@ -182,8 +182,9 @@ class CommHookState:
         self._transports.own_groups.clear()
 
     def uses(self, group: Any) -> bool:
-        """Whether the hook talks over torch process group ``group``."""
-        return any(g is group for g in self._transports.groups)
+        """Whether the hook talks over torch process group ``group`` (None: over any)."""
+        groups = self._transports.groups
+        return bool(groups) if group is None else any(g is group for g in groups)
 
     def __enter__(self) -> CommHookState:
         return self

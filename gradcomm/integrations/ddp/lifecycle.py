@@ -8,17 +8,19 @@ abort the process at exit ("terminate called without an active exception"). Ever
 state is :func:`register`-ed here; the first registration installs two triggers that
 close them first: an ``atexit`` handler (registered after torch's, so it runs before them)
 and a wrapper around ``torch.distributed.destroy_process_group`` that closes the states
-using the group being destroyed (every state, for the default group or ``None``) before
-torch destroys it. The wrapper is installed once, keeps the original's signature and
+using the group being destroyed (every state on a torch group, for the default group or
+``None``) before torch destroys it. The wrapper is installed once, keeps the original's signature and
 docstring (``functools.wraps``) and calls it with the same arguments.
 
 Example:
     >>> class Thing:
     ...     closed = False
     ...     def close(self): self.closed = True
-    ...     def uses(self, group): return True
+    ...     def uses(self, group): return group is None
     >>> thing = Thing()
-    >>> register(thing); close_all(); thing.closed
+    >>> register(thing); close_using("another group"); thing.closed
+    False
+    >>> close_using(None); thing.closed
     True
 """
 
@@ -52,10 +54,19 @@ def forget(state: Any) -> None:
         _LIVE.discard(state)
 
 
-def close_all(group: Any = None) -> None:
-    """Close every live state (with ``group``: those that use it)."""
+def close_all() -> None:
+    """Close every live state (at exit)."""
     with _LOCK:
-        states = [s for s in _LIVE if group is None or s.uses(group)]
+        states = list(_LIVE)
+    for state in states:
+        state.close()
+
+
+def close_using(group: Any) -> None:
+    """Close the live states that use torch process group ``group`` (None: any torch
+    group, as destroying the default group destroys them all)."""
+    with _LOCK:
+        states = [s for s in _LIVE if s.uses(group)]
     for state in states:
         state.close()
 
@@ -84,10 +95,7 @@ def _install() -> None:
     @functools.wraps(original)
     def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
         group = args[0] if args else kwargs.get("group")
-        if group is None or group is dist.group.WORLD:
-            close_all()
-        else:
-            close_all(group)
+        close_using(None if group is None or group is dist.group.WORLD else group)
         return original(*args, **kwargs)
 
     _original = original
@@ -95,4 +103,4 @@ def _install() -> None:
     dist.destroy_process_group = destroy_process_group
 
 
-__all__ = ["close_all", "destroy_group", "forget", "register"]
+__all__ = ["close_all", "close_using", "destroy_group", "forget", "register"]

@@ -233,6 +233,19 @@ def test_close_is_idempotent_and_reached_by_with_and_by_exit():
     assert one_rank(fn) == (False, False)
 
 
+def test_destroy_process_group_closes_the_states_that_use_the_group_first():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        state, _ = ddp.make_comm_hook(None)                  # over the default group
+        assert state.uses(dist.group.WORLD) and state._worker._thread.is_alive()
+    finally:
+        dist.destroy_process_group()                         # the wrapped one
+    assert not state._worker._thread.is_alive() and state._closed
+    assert dist.destroy_process_group.__wrapped__ is not None   # torch's, wrapped once
+
+
 def test_a_failed_reduction_is_raised_on_the_hook_thread_with_its_type():
     """A rank that never joins: the last bucket's hook raises the worker's DeadlineError
     itself (DDP passes an exception raised by the hook on unchanged, but turns one set

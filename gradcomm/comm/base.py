@@ -43,8 +43,8 @@ TAG_USER = 100
 #: the message size of pipelined collectives (ring, tree) on the in-process transport, and
 #: their smallest one anywhere: small enough that a reduction overlaps the next transfer
 PIPELINE_CHUNK = 512 * 1024
-#: what the MPI and torch transports use (they may run over a network): receives posted
-#: ahead, in bytes per peer, and the largest message of a pipelined dense collective
+#: what the network transports use: receives posted ahead, in bytes per peer (MPI), and
+#: the largest message of a pipelined dense collective (MPI and torch)
 NETWORK_WINDOW = 64 << 20
 NETWORK_MAX_CHUNK = 16 << 20
 

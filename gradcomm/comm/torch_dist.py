@@ -36,7 +36,7 @@ from typing import Any, Sequence
 
 from .. import arrays
 from ..errors import ConfigError, DeadlineError, TransportError, UnsupportedError
-from .base import DEFAULT_TIMEOUT, NETWORK_MAX_CHUNK, NETWORK_WINDOW, Request, Transport
+from .base import DEFAULT_TIMEOUT, NETWORK_MAX_CHUNK, Request, Transport
 
 #: added to gradcomm's tags (all below TAG_USER) on the wire
 TAG_OFFSET = 0x67630000
@@ -76,9 +76,9 @@ class TorchTransport(Transport):
 
     name = "torch"
     native_bounded = True       # its native allreduce waits with the deadline
-    # gloo sends a message only once the peer's receive is posted (a round trip each):
-    # deep windows and large messages keep the link streaming
-    window_bytes = NETWORK_WINDOW
+    # gloo moves messages on its own threads: double buffering keeps a 1 Gbit/s link as
+    # busy as a deep window does not (a 64 MiB window made a 100 MB ring 1.4x slower, load
+    # 18); messages of up to 16 MiB are as fast as 512 KiB ones (bench/RESULTS.md)
     max_chunk_bytes = NETWORK_MAX_CHUNK
 
     def __init__(self, group: Any = None, timeout: float = DEFAULT_TIMEOUT) -> None:

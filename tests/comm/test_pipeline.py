@@ -153,7 +153,7 @@ def launched_pipeline(counts: list[int]) -> dict[str, Any]:
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("launcher,p", [("mpi", 3), ("gloo", 2)])
 def test_deep_window_on_real_transports(launcher: str, p: int) -> None:
-    """The MPI and gloo transports default to a deep window and large messages; ring and
+    """The MPI transport defaults to a deep window and both to large messages; ring and
     tree give the exact bytes with any window, on every rank."""
     from tests._launch import mpi_call, require_mpi, require_torch, torch_call
 
@@ -166,7 +166,8 @@ def test_deep_window_on_real_transports(launcher: str, p: int) -> None:
         res = torch_call(launched_pipeline, p, counts, timeout=180)
     for r in res:
         assert r["wrong"] == [], r["wrong"]
-        assert r["window"] >= 16 << 20 and r["chunk"] == 16 << 20, r
+        assert r["chunk"] == 16 << 20, r           # gloo: double buffering (measured)
+        assert (r["window"] >= 16 << 20) if launcher == "mpi" else r["window"] == 0, r
     assert len({json_key(r["digests"]) for r in res}) == 1
 
 

@@ -129,7 +129,7 @@ def compress_fsdp(model: Any, compressor: Any = None, *, error_feedback: bool = 
                       error_feedback=bool(error_feedback) and lossy and contractive(codec))
     state.guard = Guard(residual_bound) if guard and state.ef.enabled else None
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-    sides: dict[tuple[int, ...], Any] = {}
+    sides = _SIDES
     found = False
     for mname, module in model.named_modules():
         if not isinstance(module, FSDPModule):
@@ -175,14 +175,21 @@ def compress_fsdp(model: Any, compressor: Any = None, *, error_feedback: bool = 
     return state
 
 
+#: the side groups made so far, by rank set (one per set and process)
+_SIDES: dict[tuple[int, ...], Any] = {}
+
+
 def side_group(group: Any, cache: dict[tuple[int, ...], Any]) -> Any:
-    """A gloo group over ``group``'s ranks for gradcomm's own messages (one per rank set;
-    created collectively: every rank calls this in the same order)."""
+    """A gloo group over ``group``'s ranks for gradcomm's own messages, one per rank set
+    and process. Made with local synchronisation: only its members take part, so with
+    HSDP each rank makes just the groups of its own shard and replicate sets (as FSDP2
+    does for its separate reduce-scatter group)."""
     import torch.distributed as dist
 
     ranks = tuple(dist.get_process_group_ranks(group))
     if ranks not in cache:
-        cache[ranks] = dist.new_group(list(ranks), backend="gloo")
+        cache[ranks] = dist.new_group(list(ranks), backend="gloo",
+                                      use_local_synchronization=True)
     return cache[ranks]
 
 

@@ -351,16 +351,20 @@ def check_converge() -> None:
 
 def check_hsdp() -> None:
     """HSDP from 1-D FSDP on the shard dim + compressed allreduce on the replicate dim:
-    identical parameters on every replica, close to the uncompressed average."""
+    identical parameters on every replica, close to the uncompressed average (a p x 1
+    mesh; at 4 ranks, ``torchrun --nproc_per_node 4 fsdp_checks.py hsdp``, a 2 x 2)."""
     p = dist.get_world_size()
-    mesh = init_device_mesh("cpu", (p, 1), mesh_dim_names=("replicate", "shard"))
+    shape = (p // 2, 2) if p >= 4 and p % 2 == 0 else (p, 1)   # 4 ranks: a real 2 x 2
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+    rep = mesh["replicate"].get_group()
     res = {}
     for codec in (None, "int8"):
         m = shard(make_model(), mesh=mesh["shard"])
-        st = compress_fsdp(m, codec, replicate_group=mesh["replicate"].get_group())
+        st = compress_fsdp(m, codec, replicate_group=rep)
         train(m, torch.optim.SGD(m.parameters(), lr=0.05), range(4))
         res[codec] = local(m)
-        allp = gathered(res[codec])
+        allp = [torch.empty_like(res[codec]) for _ in range(shape[0])]
+        dist.all_gather(allp, res[codec], group=rep)
         if any(q.numpy().tobytes() != allp[0].numpy().tobytes() for q in allp):
             fail(f"hsdp {codec}: replicas differ")
         if codec and not any(n.endswith("#replicate") for n in st.ef.names()):

@@ -1,6 +1,7 @@
 """Which gradcomm files one DDP bucket visits, hook -> wire -> back (issue 11's "trip").
 
-Run on 2 gloo ranks. For each configuration ``codec[:algorithm]`` (default ``int8:auto``)
+Run on 2 gloo ranks. For each configuration ``codec[:algorithm[:option=value...]]`` (default ``int8:auto``;
+options go to ``make_comm_hook``, values read as JSON: ``int8:auto:guard=false``)
 a fresh model trains three steps with the gradcomm hook; the backward pass of the third
 is profiled (``sys.setprofile`` / ``threading.setprofile``: the hook's worker thread too)
 and every rank prints ``RESULT {json}`` with, per configuration:
@@ -16,6 +17,7 @@ and every rank prints ``RESULT {json}`` with, per configuration:
 
     python bench/trip.py                      # int8, algorithm="auto"
     python bench/trip.py int8:auto topk:ring  # several in one launch
+    python bench/trip.py int8:auto:guard=false   # without the divergence guard's check
 """
 import json, os, sys, threading
 from pathlib import Path
@@ -96,13 +98,21 @@ def prof(frame, event, arg):
 threading.setprofile(prof)
 
 
+def _value(v: str):
+    try:
+        return json.loads(v)
+    except ValueError:
+        return v
+
+
 def trip(cfg: str) -> dict:
-    codec, _, algorithm = cfg.partition(":")
+    codec, algorithm, *opts = cfg.split(":") + [""]
+    options = {k: _value(v) for k, _, v in (o.partition("=") for o in opts if o)}
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
     model = DDP(net, bucket_cap_mb=25)
     state, hook = make_comm_hook(None if codec == "none" else codec,
-                                 algorithm=algorithm or "auto", model=model)
+                                 algorithm=algorithm or "auto", model=model, **options)
     model.register_comm_hook(state, hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     LOG.update(seq=[], files=set(), data=set(), climbs=[])

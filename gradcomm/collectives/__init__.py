@@ -63,7 +63,8 @@ def dense_allreduce(t: Transport, buf: Any, op: str, dtype: str, algorithm_name:
       TransportError): an unchecked call sends its data under a tag derived from its
       arguments (:func:`~gradcomm.collectives._check.data_tag`), so ranks that disagree
       never combine each other's data. ``auto`` hands unchecked calls to gradcomm's own
-      algorithms only, and ``algorithm="native"`` (which has no tags) checks every call;
+      algorithms only; ``algorithm="native"`` (which has no tags) and a transport whose
+      messages ignore tags (NCCL, ``Transport.tagged``) check every call;
     - ``False``: no check.
 
     float16 ``op="mean"`` sums, then divides; where that sum overflowed to +-inf while
@@ -93,7 +94,8 @@ def dense_allreduce(t: Transport, buf: Any, op: str, dtype: str, algorithm_name:
         fields = dict(count=int(buf.size), dtype=dtype, op=op, algorithm=algorithm_name,
                       valid=local is None)
         try:
-            ran = agree(t, "allreduce", once=check == "first" and algorithm_name != "native",
+            ran = agree(t, "allreduce", once=check == "first" and algorithm_name != "native"
+                       and t.tagged,
                         **fields)
         except GradcommError:
             if local is not None:

@@ -96,6 +96,10 @@ class Transport(ABC):
     #: True where :meth:`native_allreduce` waits with the deadline (so ``auto`` may pick it
     #: for calls without the argument check); MPI's blocking MPI_Allreduce does not
     native_bounded: bool = False
+    #: True where a message only matches a receive of its own tag (threads, MPI, gloo);
+    #: NCCL ignores tags, so there ``check="first"`` checks every call (its skipped calls
+    #: carry their arguments in the tag). May be set per instance.
+    tagged: bool = True
     #: bytes of receives a pipelined collective keeps posted ahead of the one it waits
     #: for, per peer (at least one message: 0 = double buffering, the in-process
     #: transport's memory-speed choice). Over a network, a receive posted late costs a

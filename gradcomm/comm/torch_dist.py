@@ -99,6 +99,7 @@ class TorchTransport(Transport):
         self.backend = str(dist.get_backend(group))
         self._global = [dist.get_global_rank(group, r) for r in range(size)]
         self.devices = frozenset({"cuda"}) if self.backend == "nccl" else frozenset({"cpu"})
+        self.tagged = self.backend != "nccl"
         self._orphans: list[_Work] = []      # abandoned operations, kept with their buffers
 
     def _tensor(self, buf: Any) -> Any:

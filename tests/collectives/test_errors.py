@@ -164,6 +164,18 @@ def test_check_first_later_disagreement_is_an_error_on_every_rank(p: int, alg: s
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("alg", ["ring", "auto"])
+def test_check_first_checks_every_call_where_tags_are_ignored(alg: str) -> None:
+    """A transport whose messages ignore tags (NCCL: ``tagged = False``) cannot carry the
+    arguments in the tag, so ``check="first"`` checks every call there: a MismatchError
+    on every rank, not mixed data."""
+    def call(t: Any) -> None:
+        t.tagged = False
+        _first_then(alg, "op")(t)
+    assert_all(outcomes(3, call, follow_up=False, wait_timeout=0.5), MismatchError)
+
+
+@pytest.mark.timeout(60)
 def test_none_versus_codec_is_a_mismatch() -> None:
     """A dense call on one rank and a compressed one on another exchange equal-sized
     checks (a fixed field count) and learn that they differ, on every rank."""

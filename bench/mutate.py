@@ -174,9 +174,9 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("ddp-returns-zeros", "the compressed DDP hook returns zeros and keeps the whole "
            "bucket in its residuals",
            (Patch(_DDP_ROUTES,
-                  "            host.copy_(arrays.from_flat(result, arrays.meta_of(work)))",
-                  "            host.zero_()"),
-            Patch(_DDP_RESIDUALS, "                arrays.subtract(x[a:b], decoded[a:b],",
+                  "            result = self._compressed(view, plan, keys, lengths, check, step)",
+                  "            result = 0 * self._compressed(view, plan, keys, lengths, check, step)"),
+            Patch("gradcomm/error_feedback.py", "                arrays.subtract(x[a:b], decoded[a:b],",
                   "                arrays.subtract(x[a:b], 0 * decoded[a:b],")),
            ("ddp_exact",)),
     Mutant("ddp-forgets-residual", "the DDP hook never adds a parameter's residual back",

@@ -18,7 +18,7 @@ from gradcomm.compressed.powersgd import parts_of, wire_values
 from gradcomm.comm import run_ranks
 from gradcomm.compressors.powersgd import PowerSGD
 from gradcomm.error_feedback import ErrorFeedback
-from gradcomm.errors import ConfigError, MismatchError, UnsupportedError
+from gradcomm.errors import ConfigError, MismatchError, UnknownOptionError, UnsupportedError
 from tests._cases import torch_roundtrip
 from tests._launch import have_torch, torch_call
 
@@ -312,7 +312,7 @@ def test_bad_arguments_raise_on_every_rank() -> None:
     cases = [({"op": "max"}, UnsupportedError, "sum, mean"),
              ({"dtype": "int32"}, UnsupportedError, "floating"),
              ({"algorithm": "star"}, ConfigError, "powersgd runs on"),
-             ({"rank": 0}, ConfigError, "rank"), ({"colour": 1}, TypeError, "colour"),
+             ({"rank": 0}, ConfigError, "rank"), ({"colour": 1}, UnknownOptionError, "colour"),
              ({"shape": (7, 7)}, ConfigError, "49 elements, the buffer 120"),
              ({"shapes": [(100,), (2, 2)]}, ConfigError, "104"),
              ({"shape": (12, 10), "shapes": [(120,)]}, ConfigError, "not both"),
@@ -364,10 +364,10 @@ def test_parts_follow_the_hooks_parameters() -> None:
         if shaped:
             res.shapes = {"fc1.weight": (64, 32), "fc1.bias": (64,), "fc2.weight": (10, 64)}
         x = _grad(t.rank, 0, (sum(lengths),))
-        unit = res.open(names, lengths, x, 0)
+        key = res.open(names, lengths, x, 0)
         y = compressed_allreduce(t, x.copy(), "float32", op="sum", algorithm="ring",
-                                 compressor=PowerSGD(rank=2), residuals=unit, key=unit.key)
-        parts = parts_of(x.size, unit.key, PowerSGD(rank=2), unit)
+                                 compressor=PowerSGD(rank=2), residuals=res.store, key=key)
+        parts = parts_of(x.size, key, PowerSGD(rank=2), res.store)
         return (y.tobytes(), sorted(res.extra_names()), sorted(res.names()),
                 [(q.name, q.lay) for q in parts])
 

@@ -113,7 +113,10 @@ def check_resume(k: int = 2) -> None:
     """A checkpoint of device residuals (state_dict brings them to the host; torch.save,
     weights_only load) resumes bitwise equal to the unbroken run, on the device path and
     on the host path (the two paths give the same bytes)."""
-    for codec, algo in (("topk", "auto"), ("int8", "allgather"), ("onebit", "auto")):
+    # the gathered routes by name: a checkpoint loads only into a hook of its own
+    # configuration (algorithm included), and the host path's auto may pick another route
+    for codec, algo in (("topk", "sparse_allgather"), ("int8", "allgather"),
+                        ("onebit", "allgather")):
         unbroken = run(codec, algo, True, 2 * k)[0]
         placed(True)
         model, state = hooked(make_model(), codec, algo)
@@ -128,8 +131,7 @@ def check_resume(k: int = 2) -> None:
             ck = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
             fresh = make_model(seed=1)
             fresh.load_state_dict(ck["model"])
-            model, state = hooked(fresh, codec, algo if on_device else
-                                  ("sparse_allgather" if codec == "topk" else "allgather"))
+            model, state = hooked(fresh, codec, algo)
             opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
             opt.load_state_dict(ck["opt"])
             state.load_state_dict(ck["hook"])

@@ -8,13 +8,14 @@ Written from the documented schedules (``ring.py``, ``tree.py``, ``recursive_dou
 Example:
     >>> bounds(10, 3)
     [0, 4, 7, 10]
-    >>> _chunks(0, 10, 4)
+    >>> chunks(0, 10, 4)
     [(0, 4), (4, 7), (7, 10)]
 """
 
 from __future__ import annotations
 
 import zlib
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -22,6 +23,7 @@ from .. import compressors
 from .._dtypes import bf16_to_f32, f32_to_bf16
 from ..compressors.base import Compressor, Payload
 from ..error_feedback import HOP_SEP, ErrorFeedback
+from ..errors import ConfigError
 
 #: dense bytes below which the built-in table picks recursive doubling (auto.SMALL)
 _SMALL = 64 * 1024
@@ -33,13 +35,30 @@ def bounds(n: int, parts: int) -> list[int]:
     return [i * base + min(i, extra) for i in range(parts + 1)]
 
 
-def _chunks(lo: int, hi: int, chunk: int) -> list[tuple[int, int]]:
+def chunks(lo: int, hi: int, chunk: int) -> list[tuple[int, int]]:
     m = hi - lo
     if m <= 0:
         return []
     k = -(-m // chunk)
     o = bounds(m, k)
     return [(lo + o[i], lo + o[i + 1]) for i in range(k)]
+
+
+def rank_inputs(inputs: Sequence[Any], residuals: Sequence[ErrorFeedback] | None
+                ) -> tuple[list[np.ndarray], int, list[ErrorFeedback | None]]:
+    """Every rank's flat input, their common count and each rank's residual store (or
+    None), checked as the replays need them."""
+    p = len(inputs)
+    if p < 1:
+        raise ConfigError("replay needs at least one rank's input")
+    xs = [np.ascontiguousarray(a).reshape(-1) for a in inputs]
+    n = xs[0].size
+    if any(x.size != n for x in xs):
+        raise ConfigError("every rank's input must have the same element count")
+    stores: list[ErrorFeedback | None] = list(residuals) if residuals is not None else [None] * p
+    if len(stores) != p:
+        raise ConfigError(f"{len(stores)} residual stores for {p} ranks")
+    return xs, n, stores
 
 
 def children(rank: int, size: int) -> list[int]:
@@ -207,7 +226,7 @@ def _ring(ranks: list[_Rank], n: int, chunk: int) -> None:
     off = bounds(n, p)
 
     def pieces(seg: int) -> list[tuple[int, int]]:
-        return _chunks(off[seg], off[seg + 1], chunk)
+        return chunks(off[seg], off[seg + 1], chunk)
 
     msgs = [[ranks[r].encode(lo, hi) for lo, hi in pieces(r)] for r in range(p)]
     finals: list[list[list[tuple[int, int, Payload]]]] = [[] for _ in range(p)]
@@ -232,7 +251,7 @@ def _ring(ranks: list[_Rank], n: int, chunk: int) -> None:
 
 def _tree(ranks: list[_Rank], n: int, chunk: int) -> None:
     p = len(ranks)
-    for lo, hi in _chunks(0, n, chunk):
+    for lo, hi in chunks(0, n, chunk):
         up: dict[int, Payload] = {}
         for r in range(p - 1, -1, -1):      # children (higher ranks) first
             for c in children(r, p):

@@ -37,21 +37,12 @@ from .. import compressors
 from ..compressors.base import Compressor, Payload
 from ..error_feedback import ErrorFeedback, contractive
 from ..errors import ConfigError
-from ._replay_hops import bounds, narrow, over_wire, segment_codec, widen
+from ._replay_hops import bounds, chunks, narrow, over_wire, rank_inputs, segment_codec, widen
 
 #: routes :func:`replay_reduce_scatter` reproduces
 RS_ROUTES = ("alltoall", "ring")
 #: target bytes of one compressed ring message (``compressed.routes.CHUNK_BYTES``)
 _CHUNK_BYTES = 2 << 20
-
-
-def _pieces(lo: int, hi: int, chunk: int) -> list[tuple[int, int]]:
-    m = hi - lo
-    if m <= 0:
-        return []
-    k = -(-m // chunk)
-    o = bounds(m, k)
-    return [(lo + o[i], lo + o[i + 1]) for i in range(k)]
 
 
 def _chunk(codec: Compressor, n: int, dt: np.dtype) -> int:
@@ -122,7 +113,7 @@ def _ring(ranks: list[_Sender], off: list[int], chunk: int) -> list[np.ndarray]:
     p = len(ranks)
 
     def pieces(seg: int) -> list[tuple[int, int]]:
-        return _pieces(off[seg], off[seg + 1], chunk)
+        return chunks(off[seg], off[seg + 1], chunk)
 
     def encode(w: _Sender, lo: int, hi: int) -> Payload:
         w.hops += 1
@@ -152,16 +143,8 @@ def replay_reduce_scatter(inputs: Sequence[np.ndarray], *, dtype: str, op: str =
     or ``"auto"`` (ring on 2 ranks, else alltoall). ``residuals``: one ErrorFeedback per rank, updated as each
     rank's would be (the key's flat residual, its step advanced); ``step`` defaults to the
     key's step there (else 0)."""
-    p = len(inputs)
-    if p < 1:
-        raise ConfigError("replay needs at least one rank's input")
-    xs = [np.ascontiguousarray(a).reshape(-1) for a in inputs]
-    n = xs[0].size
-    if any(x.size != n for x in xs):
-        raise ConfigError("every rank's input must have the same element count")
-    stores: list[ErrorFeedback | None] = list(residuals) if residuals is not None else [None] * p
-    if len(stores) != p:
-        raise ConfigError(f"{len(stores)} residual stores for {p} ranks")
+    xs, n, stores = rank_inputs(inputs, residuals)
+    p = len(xs)
     route = ("ring" if p == 2 else "alltoall") if algorithm == "auto" else algorithm
     if route not in RS_ROUTES:
         raise ConfigError(f"replay: unknown reduce-scatter route {algorithm!r}")

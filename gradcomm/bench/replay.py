@@ -59,8 +59,8 @@ from .. import compressors
 from ..compressors.base import Compressor
 from ..error_feedback import HOP_SEP, ErrorFeedback, contractive
 from ..errors import ConfigError
-from ._replay_hops import (Fold, bounds, children, narrow, per_hop, segment_codec, table,
-                           over_wire, widen)
+from ._replay_hops import (Fold, bounds, children, narrow, over_wire, per_hop, rank_inputs,
+                           segment_codec, table, widen)
 from ._replay_rs import RS_ROUTES, replay_reduce_scatter
 
 #: concrete routes :func:`replay` reproduces
@@ -343,16 +343,7 @@ def replay(inputs: Sequence[np.ndarray], *, dtype: str, op: str = "sum", algorit
     the built-in table). ``shape`` / ``shapes``: PowerSGD's parts. ``**options``: codec
     options.
     """
-    p = len(inputs)
-    if p < 1:
-        raise ConfigError("replay needs at least one rank's input")
-    xs = [np.ascontiguousarray(a).reshape(-1) for a in inputs]
-    n = xs[0].size
-    if any(x.size != n for x in xs):
-        raise ConfigError("every rank's input must have the same element count")
-    stores: list[ErrorFeedback | None] = list(residuals) if residuals is not None else [None] * p
-    if len(stores) != p:
-        raise ConfigError(f"{len(stores)} residual stores for {p} ranks")
+    xs, n, stores = rank_inputs(inputs, residuals)
     if step is None:
         step = stores[0].step(key) if stores[0] is not None else 0
     base = (int(seed), int(step), zlib.crc32(key.encode()))

@@ -25,6 +25,7 @@ from . import launch, report
 from ._util import agree_status, parse_size, parse_sizes
 from .plan import (available_algorithms, default_sizes, link_rate, make_plan,  # noqa: F401
                    parse_compressor)
+from .rs import baseline_for
 from .sweep import Baseline, Plan, Row, sweep
 
 
@@ -35,6 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "the library's own allreduce, in OSU / nccl-tests columns. Under mpirun "
                     "or torchrun it uses their ranks; started bare it starts its own "
                     "(mpiexec when installed, else in-process threads).")
+    p.add_argument("--collective", choices=("allreduce", "reduce_scatter"),
+                   default="allreduce",
+                   help="allreduce (default) or reduce_scatter (gradcomm.reduce_scatter: "
+                        "dense ring, compressed ring or alltoall; baseline the library's "
+                        "reduce-scatter; algorithms ring, alltoall, auto)")
     p.add_argument("--transport", choices=("auto", "mpi", "torch", "threads"), default="auto",
                    help="auto: the launcher's, else mpi via mpiexec, else threads")
     p.add_argument("--np", type=int, default=2, help="ranks to start when run bare (2)")
@@ -135,17 +141,22 @@ def _banner(env: dict[str, Any], plan: Plan) -> list[str]:
     lib = ", ".join(f"{k} {v[k]}" for k in ("mpi", "mpi4py", "torch", "numpy") if k in v)
     load = env.get("loadavg_start")
     return [
-        f"# gradcomm.bench {v['gradcomm']}: allreduce {plan.dtype} {plan.op}, "
+        f"# gradcomm.bench {v['gradcomm']}: {plan.collective} {plan.dtype} {plan.op}, "
         f"{env['ranks']} ranks, transport {env['transport']} (started by {env['launcher']})",
         f"# {env['hostname']} ({env['cpus']} cpus, load {load[0]:.2f}), {env['date']}; {lib}"
         if load else f"# {env['hostname']}, {env['date']}; {lib}",
         f"# time: variants interleaved in {plan.rounds} rounds per size; barrier, then "
         "perf_counter around each call; avg/min/max = over ranks of each rank's mean (OSU);",
-        "# algbw = size/avg (mean), busbw = algbw*2(p-1)/p (nccl-tests); p50/p95 = over "
+        f"# algbw = size/avg (mean), busbw = algbw*{_factor(plan)} (nccl-tests); "
+        "p50/p95 = over "
         "calls of the slowest rank's time; spread = round means (max-min)/avg;",
         "# #wrong: every timed call of every rank checked (dense: exact sum; compressed: "
         "bitwise against the replay, and the codec's round trip must shrink its input)",
     ]
+
+
+def _factor(plan: Plan) -> str:
+    return "(p-1)/p" if plan.collective == "reduce_scatter" else "2(p-1)/p"
 
 
 def rank_main(t: Any, args: argparse.Namespace, plan: Plan, baseline: Baseline | None,
@@ -186,26 +197,30 @@ def _report(t: Any, args: argparse.Namespace, plan: Plan, baseline: Baseline | N
     if rate:
         env["link_rate_bps"] = rate
         for r in rows:
-            report.add_link_efficiency(r, rate, t.size)
+            report.add_link_efficiency(r, rate, t.size, plan.collective)
     from ..collectives.auto import select
 
     base_op = "sum" if plan.op == "mean" else plan.op
-    choice = {s: select(t, s, plan.dtype, base_op, native=True) for s in plan.sizes}
+    choice = {s: select(t, s, plan.dtype, base_op, native=True) for s in plan.sizes} \
+        if plan.collective == "allreduce" else None
     fitted = (profile.info.get("sizes") or []) if profile is not None else []
     summary = report.summarize(rows, baseline.name if baseline else None, choice,
-                               variant=args.report_variant or "auto", fitted_sizes=fitted)
+                               variant=args.report_variant or "auto", fitted_sizes=fitted,
+                               targets=plan.collective == "allreduce")
     print(report.summary_line(summary), flush=True)
     if hasattr(os, "getloadavg"):
         env["loadavg_end"] = list(os.getloadavg())
     config = {"sizes": plan.sizes, "variants": [v.label for v in plan.variants],
               "dtype": plan.dtype, "op": plan.op, "iters": plan.iters,
               "warmup": plan.warmup, "min_iters": plan.min_iters, "rounds": plan.rounds,
+              "collective": plan.collective,
               "report_variant": args.report_variant or "auto"}
     if args.json:
         report.write_json(args.json, env, config, rows, summary)
         print(f"# wrote {args.json}", flush=True)
     if args.plot:
-        title = f"allreduce {plan.dtype} {plan.op}, {t.size} ranks, {t.name} ({env['hostname']})"
+        title = (f"{plan.collective} {plan.dtype} {plan.op}, {t.size} ranks, {t.name} "
+                 f"({env['hostname']})")
         report.write_plot(args.plot, rows, title)
         print(f"# wrote {args.plot}", flush=True)
     if summary["wrong"]:
@@ -263,6 +278,8 @@ def _env_rank() -> int:
 def _run_mpi(args: argparse.Namespace) -> int:
     t, MPI, base = launch.mpi_world()
     t.timeout = float(args.timeout)
+    if args.collective == "reduce_scatter":
+        base = baseline_for(base)
     plan = make_plan(args, base.name)         # same on every rank; errors alike on every rank
     status = 1
     try:
@@ -277,6 +294,8 @@ def _run_mpi(args: argparse.Namespace) -> int:
 def _run_torch(args: argparse.Namespace) -> int:
     t, base = launch.torch_world()
     t.timeout = float(args.timeout)
+    if args.collective == "reduce_scatter":
+        base = baseline_for(base)
     plan = make_plan(args, base.name)
     import torch.distributed as dist
 

@@ -11,6 +11,11 @@ Example:
     ...                                   "--algorithms", "auto"])
     >>> [v.label for v in make_plan(args, None).variants]
     ['ring', 'auto+int8', 'auto+int8+ef']
+    >>> args = build_parser().parse_args(["--collective", "reduce_scatter",
+    ...                                   "--compressors", "none,int8"])
+    >>> [v.label for v in make_plan(args, None).variants]
+    ['ring', 'auto', 'ring+int8', 'ring+int8+ef', 'alltoall+int8', 'alltoall+int8+ef', \
+'auto+int8', 'auto+int8+ef']
     >>> parse_rate("1gbit"), parse_rate("2.5g"), parse_rate("100mbit")
     (1000000000, 2500000000, 100000000)
 """
@@ -23,11 +28,12 @@ import re
 from typing import Any
 
 from ..errors import ConfigError
-from . import launch
+from . import launch, rs
 from ._util import parse_size, parse_sizes
 from .sweep import Plan, Variant
 
-_BASELINES = (launch.MPIBaseline.name, launch.TorchBaseline.name)
+_BASELINES = (launch.MPIBaseline.name, launch.TorchBaseline.name,
+              rs.MPIReduceScatter.name, rs.TorchReduceScatter.name)
 #: set by the emulated-network harness (bench/netns.py) to its link rate, bits per second
 RATE_ENV = "GRADCOMM_NET_RATE"
 _RATE_UNITS = {"": 1, "bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9,
@@ -124,25 +130,32 @@ def make_plan(args: argparse.Namespace, baseline: str | None) -> Plan:
         Profile.load(args.profile)
     sizes = parse_sizes(args.sizes) if args.sizes else \
         default_sizes(parse_size(args.min_bytes), parse_size(args.max_bytes))
-    have = available_algorithms()
+    collective = getattr(args, "collective", "allreduce")
+    if collective not in rs.COLLECTIVES:
+        raise ConfigError(f"unknown collective {collective!r}; known: "
+                          f"{', '.join(rs.COLLECTIVES)}")
+    rs_mode = collective == "reduce_scatter"
+    known_algos = rs.COMPRESSED_ALGORITHMS if rs_mode else DENSE
+    have = list(rs.COMPRESSED_ALGORITHMS) if rs_mode else available_algorithms()
     if args.algorithms:
         algos = [a.strip() for a in args.algorithms.split(",") if a.strip()]
         for a in algos:
             if a in _BASELINES:
                 continue
-            if a not in (*DENSE, "auto"):
-                raise ConfigError(f"unknown algorithm {a!r}; known: "
-                                  f"{', '.join((*DENSE, 'auto', *_BASELINES))}")
+            if a not in (*known_algos, "auto"):
+                raise ConfigError(f"unknown {'reduce-scatter ' if rs_mode else ''}"
+                                  f"algorithm {a!r}; known: "
+                                  f"{', '.join((*known_algos, 'auto', *_BASELINES))}")
             if a != "auto" and a not in have:
                 raise ConfigError(f"algorithm {a!r} is not available in this installation")
     else:
-        algos = [a for a in have if a != "native"] + ["native"]
+        algos = have if rs_mode else [a for a in have if a != "native"] + ["native"]
     # "spec@algorithm" measures that compressor with that algorithm only
     pinned: list[str | None] = []
     comps = []
     for c in (c for c in args.compressors.split(",") if c.strip()):
         spec, at, alg = c.partition("@")
-        if at and alg not in (*DENSE, "auto"):
+        if at and alg not in (*known_algos, "auto"):
             raise ConfigError(f"unknown algorithm {alg!r} in --compressors {c!r}")
         comps.append(parse_compressor(spec))
         pinned.append(alg if at else None)
@@ -168,6 +181,8 @@ def make_plan(args: argparse.Namespace, baseline: str | None) -> Plan:
                 continue
             if name is not None and a == "native":
                 continue                      # the library's allreduce cannot compress
+            if rs_mode and name is None and a not in (*rs.DENSE_ALGORITHMS, "auto"):
+                continue                      # the all-to-all route is a compressed one
             checks = (True, False) if args.no_check else (True,)
             efs: tuple[bool, ...] = (False,)
             if name is not None:
@@ -185,6 +200,6 @@ def make_plan(args: argparse.Namespace, baseline: str | None) -> Plan:
                           f"{', '.join(v.label for v in variants)}")
     return Plan(sizes=sizes, variants=variants, dtype=args.dtype, op=args.op,
                 iters=args.iters, warmup=args.warmup, min_iters=args.min_iters,
-                rounds=args.rounds)
+                rounds=args.rounds, collective=collective)
 
 

@@ -32,11 +32,12 @@ COLUMNS: tuple[tuple[str, int, str], ...] = (
 LINK_COLUMN = ("link(%)", 7, "link_pct")
 
 
-def add_link_efficiency(row: Row, rate_bps: float, ranks: int) -> None:
+def add_link_efficiency(row: Row, rate_bps: float, ranks: int,
+                        collective: str = "allreduce") -> None:
     """``row.extra["link_pct"]``: the bytes one rank sent per call over what its link
     carries in the call's mean time at ``rate_bps`` (per direction), in percent. Rows
-    without a byte count (the library's own allreduce) count the bandwidth-optimal
-    2(p-1)/p·size, as busbw does.
+    without a byte count (the library's own collective) count the bandwidth-optimal
+    2(p-1)/p·size (reduce-scatter: (p-1)/p·size), as busbw does.
 
     Example:
         >>> r = Row(10**6, 250000, "float32", "sum", "ring", None, True, "ring",
@@ -46,7 +47,10 @@ def add_link_efficiency(row: Row, rate_bps: float, ranks: int) -> None:
     """
     if row.note or not row.avg_us:
         return
-    sent = row.wire_bytes if row.wire_bytes else 2 * (ranks - 1) / max(1, ranks) * row.size
+    from .rs import BUS_FACTOR
+
+    optimal = BUS_FACTOR[collective](max(1, ranks)) * row.size
+    sent = row.wire_bytes if row.wire_bytes else optimal
     row.extra["link_pct"] = sent * 8 / (row.avg_us * 1e-6 * rate_bps) * 100
 
 
@@ -205,7 +209,7 @@ def round_ratios(num: Row, den: Row) -> list[float]:
 
 def summarize(rows: Sequence[Row], baseline: str | None = None,
               auto_choice: dict[int, str] | None = None, *, variant: str = "auto",
-              fitted_sizes: Sequence[int] = ()) -> dict[str, Any]:
+              fitted_sizes: Sequence[int] = (), targets: bool = True) -> dict[str, Any]:
     """The row named ``variant`` (named in advance: ``auto`` by default, never the best
     of several) against the reference (the raw baseline if measured, else ``native``):
     busbw at the largest size, the worst busbw ratio over 16–64 MiB (the target
@@ -217,7 +221,9 @@ def summarize(rows: Sequence[Row], baseline: str | None = None,
     the measured fastest (mean time) of the checked dense rows (``native`` included) at
     sizes where two or more were measured, and how often it is within 10 % of it. Rows
     with a model prediction add the median relative error of the predictions, scored
-    only at sizes the calibration did not measure (``fitted_sizes``: held out)."""
+    only at sizes the calibration did not measure (``fitted_sizes``: held out).
+    ``targets=False`` (the reduce-scatter rows) reports the ratios without the allreduce
+    issue's targets."""
     ref = _reference(rows, baseline)
     by_size: dict[int, list[Row]] = {}
     for r in rows:
@@ -259,8 +265,9 @@ def summarize(rows: Sequence[Row], baseline: str | None = None,
         if ratios:
             worst = min(ratios, key=lambda x: x[0])
             out["busbw_16_64MiB"] = {"min_ratio": worst[0], "at_size": worst[1],
-                                     "variant": variant, "rounds": worst[2], "target": 1.3,
-                                     "met": worst[0] >= 1.3 and not wrong}
+                                     "variant": variant, "rounds": worst[2]}
+            if targets:
+                out["busbw_16_64MiB"].update(target=1.3, met=worst[0] >= 1.3 and not wrong)
         small = 4096 if 4096 in by_size else min(by_size)
         pr = pair(small)
         if pr:
@@ -269,7 +276,7 @@ def summarize(rows: Sequence[Row], baseline: str | None = None,
                                     "avg_us": pr[0].avg_us, "reference_avg_us": pr[1].avg_us,
                                     "ratio": pr[0].avg_us / pr[1].avg_us,  # type: ignore[operator]
                                     "rounds": _spread(per_round) if per_round else None}
-            if small == 4096:
+            if small == 4096 and targets:
                 lat.update(target=2.0, met=lat["ratio"] <= 2.0 and not wrong)
     if auto_choice:
         out["auto"] = _auto_hits(by_size, auto_choice)
@@ -317,7 +324,8 @@ def summary_line(s: dict[str, Any]) -> str:
     if "busbw_16_64MiB" in s:
         g = s["busbw_16_64MiB"]
         parts.append(f"16-64 MiB worst ratio {g['min_ratio']:.2f}x at {_size(g['at_size'])}"
-                     f"{_range(g)} (target >= 1.3: {'met' if g['met'] else 'not met'})")
+                     f"{_range(g)}" + (f" (target >= 1.3: {'met' if g['met'] else 'not met'})"
+                                       if "target" in g else ""))
     if "latency" in s:
         g = s["latency"]
         target = (f", target <= 2: {'met' if g['met'] else 'not met'}" if "target" in g
@@ -351,7 +359,8 @@ def _size(n: int) -> str:
 def write_json(path: str, env: dict[str, Any], config: dict[str, Any], rows: Sequence[Row],
                summary: dict[str, Any]) -> None:
     """All rows plus environment, configuration and summary, as one JSON document."""
-    doc = {"benchmark": "gradcomm.bench allreduce", "schema": 1, "environment": env,
+    what = config.get("collective", "allreduce")
+    doc = {"benchmark": f"gradcomm.bench {what}", "schema": 1, "environment": env,
            "config": config, "rows": [r.to_dict() for r in rows], "summary": summary}
     with open(path, "w", encoding="utf-8") as f:
         json.dump(doc, f, indent=1)

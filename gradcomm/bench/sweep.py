@@ -98,6 +98,8 @@ class Plan:
     warmup: int = 10
     min_iters: int = 20
     rounds: int = 5
+    #: "allreduce" or "reduce_scatter" (:mod:`gradcomm.bench.rs`)
+    collective: str = "allreduce"
 
 
 @dataclass
@@ -175,16 +177,19 @@ def round_sizes(iters: int, rounds: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(k)]
 
 
-def bandwidths(size: int, seconds: float, p: int) -> tuple[float, float]:
-    """nccl-tests' allreduce figures in GB/s: ``algbw = size / time`` and
-    ``busbw = algbw · 2(p−1)/p``.
+def bandwidths(size: int, seconds: float, p: int, collective: str = "allreduce"
+               ) -> tuple[float, float]:
+    """nccl-tests' figures in GB/s: ``algbw = size / time`` and ``busbw = algbw ·
+    2(p−1)/p`` (allreduce) or ``algbw · (p−1)/p`` (reduce-scatter; size = the input).
 
     Example:
-        >>> bandwidths(10**9, 0.5, 4)
-        (2.0, 3.0)
+        >>> bandwidths(10**9, 0.5, 4), bandwidths(10**9, 0.5, 4, "reduce_scatter")
+        ((2.0, 3.0), (2.0, 1.5))
     """
+    from .rs import BUS_FACTOR
+
     algbw = size / seconds / 1e9
-    return algbw, algbw * 2 * (p - 1) / p
+    return algbw, algbw * BUS_FACTOR[collective](p)
 
 
 def sweep(t: Transport, plan: Plan, baseline: Baseline | None = None,
@@ -218,7 +223,8 @@ def sweep(t: Transport, plan: Plan, baseline: Baseline | None = None,
         for run in runs:
             row = run.finish(len(per_round))
             if t.rank == 0:
-                pred = predicted(t, profile, run.v, row.size, plan.dtype, plan.op)
+                pred = predicted(t, profile, run.v, row.size, plan.dtype, plan.op) \
+                    if plan.collective == "allreduce" else None
                 if pred is not None and not row.note:
                     row.extra["pred_us"] = pred * 1e6
                 rows.append(row)
@@ -289,6 +295,7 @@ class _Run:
                  baseline: Baseline | None, inputs: _Inputs) -> None:
         self.t, self.plan, self.v, self.inputs = t, plan, v, inputs
         self.dtype, self.op = plan.dtype, plan.op
+        self.rs = plan.collective == "reduce_scatter"
         size = count * storage(self.dtype).itemsize
         self.iters, self.warmup = iterations(size, plan)
         self.row = Row(size, count, self.dtype, self.op, v.algorithm, v.compressor,
@@ -321,6 +328,11 @@ class _Run:
         import gradcomm
 
         arr = user_array(x, self.dtype)
+        if self.rs:
+            from . import rs
+
+            call, self.stores = rs.make_call(t, v, arr, self.dtype, self.op)
+            return call
         options = dict(v.options)
         alg, comp, check, op = v.algorithm, v.compressor, v.check, self.op
         if v.error_feedback:
@@ -356,7 +368,7 @@ class _Run:
         """One call (through ``timed`` if given), then its check (never timed)."""
         expected = None
         if not self.exact and not self.v.error_feedback:
-            step = _next_plain_step(self.t, self.v.compressor)
+            step = _next_plain_step(self.t, self.v.compressor, self.rs)
             expected = lambda: self._replay(step=step)             # noqa: E731
         elif self.v.error_feedback:
             expected = lambda: self._replay(residuals=self.stores)  # noqa: E731
@@ -365,7 +377,7 @@ class _Run:
         host = np.ascontiguousarray(host).reshape(-1)
         self.result = host
         if self.exact:
-            ref = self.inputs.exact_result()
+            ref = self._mine(self.inputs.exact_result())
             wrong = data.count_wrong(host, ref)
         else:
             ref = expected()  # type: ignore[misc]
@@ -377,9 +389,23 @@ class _Run:
         from .replay import replay
 
         v = self.v
+        if self.rs:
+            from .rs import replayed
+
+            return replayed(self.inputs.gaussian_inputs(), self.t, v, self.dtype, self.op,
+                            **state)
         return replay(self.inputs.gaussian_inputs(), dtype=self.dtype, op=self.op,
                       algorithm=v.algorithm, compressor=v.compressor, seed=0, key=KEY,
                       transport=self.t, **state, **dict(v.options))
+
+    def _mine(self, full: np.ndarray) -> np.ndarray:
+        """What this rank's result holds of the full reduction: all of it (allreduce) or
+        its shard (reduce-scatter)."""
+        if not self.rs:
+            return full
+        from .rs import shard
+
+        return shard(full, self.t.size, self.t.rank)
 
     def timed(self, k: int, rnd: int) -> None:
         """``k`` timed calls of round ``rnd``."""
@@ -427,7 +453,8 @@ class _Run:
         row.p50_us = float(np.median(slowest)) * 1e6
         row.p95_us = float(np.percentile(slowest, 95)) * 1e6
         if mean > 0:
-            row.algbw_gbs, row.busbw_gbs = bandwidths(row.size, mean, p)
+            row.algbw_gbs, row.busbw_gbs = bandwidths(row.size, mean, p,
+                                                      self.plan.collective)
         which = np.asarray(self.round_of)
         round_us = [float(m_times[:, which == r].mean()) * 1e6 for r in range(rounds)]
         row.extra["round_us"] = round_us
@@ -438,16 +465,20 @@ class _Run:
             row.messages = float(table[:, iters + 1].mean())
         row.wrong = int(table[:, iters + 2].sum())
         if not self.exact and self.result is not None:
-            row.rel_err = data.relative_error(self.result, self.inputs.gaussian_result(),
+            row.rel_err = data.relative_error(self.result,
+                                              self._mine(self.inputs.gaussian_result()),
                                               self.dtype)
         return row
 
 
-def _next_plain_step(t: Transport, compressor: str | None) -> int:
+def _next_plain_step(t: Transport, compressor: str | None, rs: bool = False) -> int:
     """The step the next compressed call without a residual store takes on ``t``: the
-    count of earlier such calls there (PowerSGD counts its own)."""
+    count of earlier such calls there (PowerSGD counts its own, reduce-scatters theirs)."""
     from ..compressed.state import peek_step
+    from .rs import FAMILY
 
+    if rs:
+        return peek_step(t, FAMILY)
     return peek_step(t, "powersgd" if compressor == "powersgd" else "codec")
 
 

@@ -6,9 +6,9 @@
 ``collectives/reduce_scatter.py``) with the codecs' public ``compress`` / ``decompress``
 only: no collective, frame or wire code. Modelled: 16-bit widening and rounding back,
 ``mean`` divided before compressing (lossy) or after (``none``), segments of
-``bounds(n, p)``, the own segment's residual folded in exactly and zeroed, per-segment
-seeds, the all-to-all's rank-order sum with the own values exact, the ring's
-decode-add-re-encode per hop with its chunking and hop-numbered seeds, one flat residual
+``bounds(n, p)``, the own segment's residual folded in exactly and zeroed, per-chunk
+seeds, the all-to-all's chunks (the ring's) each summed in rank order with the own values
+exact, the ring's decode-add-re-encode per hop with its chunking and hop-numbered seeds, one flat residual
 per rank under ``key``, k-keeping codecs keeping k/n of every segment.
 
 Example:
@@ -82,30 +82,32 @@ class _Sender:
                 seg += self.decode(pl, hi - lo)
 
 
-def _alltoall(ranks: list[_Sender], off: list[int]) -> list[np.ndarray]:
+def _alltoall(ranks: list[_Sender], off: list[int], chunk: int) -> list[np.ndarray]:
     p = len(ranks)
-    sent = {(q, d): ranks[q].encode(off[d], off[d + 1], 0)
-            for q in range(p) for d in range(p) if d != q and off[d + 1] > off[d]}
+    pieces = [chunks(off[d], off[d + 1], chunk) for d in range(p)]
+    sent = {(q, lo): ranks[q].encode(lo, hi, 0)
+            for q in range(p) for d in range(p) if d != q for lo, hi in pieces[d]}
     shards = []
     for d in range(p):
-        lo, hi = off[d], off[d + 1]
-        own = ranks[d].x[lo:hi].copy()
-        out = None
-        for q in range(p):
-            if q == d:
-                if out is None:
-                    out = own.copy()
-                else:
-                    with np.errstate(invalid="ignore", over="ignore"):
-                        out += own
-            elif hi > lo:
-                if out is None:
-                    out = ranks[d].decode(sent[q, d], hi - lo)
+        shard = np.empty(off[d + 1] - off[d], ranks[d].x.dtype)
+        for lo, hi in pieces[d]:              # each chunk summed in rank order
+            own = ranks[d].x[lo:hi].copy()
+            out = None
+            for q in range(p):
+                if q == d:
+                    if out is None:
+                        out = own.copy()
+                    else:
+                        with np.errstate(invalid="ignore", over="ignore"):
+                            out += own
+                elif out is None:
+                    out = ranks[d].decode(sent[q, lo], hi - lo)
                 else:
                     w = _Sender(d, out, None, ranks[d].codec, ranks[d].base)
-                    w.add(0, hi - lo, sent[q, d])
-        assert out is not None
-        shards.append(out)
+                    w.add(0, hi - lo, sent[q, lo])
+            assert out is not None
+            shard[lo - off[d]:hi - off[d]] = out
+        shards.append(shard)
     return shards
 
 
@@ -171,7 +173,7 @@ def replay_reduce_scatter(inputs: Sequence[np.ndarray], *, dtype: str, op: str =
     if p == 1 or n == 0:
         shards = [w.x[off[w.r]:off[w.r + 1]].copy() for w in ranks]
     elif route == "alltoall":
-        shards = _alltoall(ranks, off)
+        shards = _alltoall(ranks, off, _chunk(codec, n, x[0].dtype))
     else:
         shards = _ring(ranks, off, _chunk(codec, n, x[0].dtype))
     if op == "mean" and not pre:

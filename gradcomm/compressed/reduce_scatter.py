@@ -9,9 +9,10 @@ Compressed routes (ops ``sum`` and ``mean``, floating dtypes; 16-bit floats are 
 float32 for the codec and the shard rounded back; ``mean`` with a lossy codec divides by
 p *before* compressing):
 
-- ``alltoall`` (:mod:`.reduce_scatter_alltoall`, the qgZ shape): each rank encodes one
-  segment per destination once, the frames are exchanged all at once, and each rank
-  decodes and sums its segment in rank order (its own values exact). Any codec.
+- ``alltoall`` (:mod:`.reduce_scatter_alltoall`, the qgZ shape): each rank encodes each
+  destination's segment once, chunk by chunk, the chunks of all destinations are
+  exchanged together, and each rank decodes and sums its segment in rank order (its own
+  values exact) as its chunks arrive. Any codec.
 - ``ring`` (:mod:`gradcomm.collectives.reduce_scatter` on a
   :class:`~gradcomm.compressed.wire.CompressedWire`): p-1 steps, each partial sum decoded,
   added and re-encoded at every hop. Any codec; one more compression error per hop.
@@ -27,9 +28,12 @@ Per rank, for n elements, p ranks, ``F(m)`` the frame bound of an m-element segm
 ===========  ======================  ==================================  ==========
 route        messages sent           bytes sent                          encoded
 ===========  ======================  ==================================  ==========
-alltoall     #{d ≠ r : m_d > 0}      Σ_{d≠r} F(m_d)                       n − m_r
+alltoall     Σ_{d≠r} chunks(m_d)     Σ_{d≠r} Σ_chunks F(chunk)            n − m_r
 ring         Σ_{d≠r} chunks(m_d)     Σ_{d≠r} Σ_chunks F(chunk)            n − m_r
 ===========  ======================  ==================================  ==========
+
+Both routes cut segments into the same chunks (:func:`ring_chunk`, about 2 MiB of
+payload), so a large segment streams in several messages on either.
 
 (:func:`wire_bytes` computes the bytes column exactly; the transport's counters must
 agree.) With error feedback the residual is one flat array over the *whole* local
@@ -120,11 +124,8 @@ def wire_bytes(codec: Compressor, n: int, p: int, rank: int, dtype: str,
     for d in range(p):
         if d == rank:
             continue
-        if route == "alltoall":
-            total += f.bound(off[d + 1] - off[d]) if off[d + 1] > off[d] else 0
-        else:
-            step = max(1, ring_chunk(codec, n, dtype))
-            total += sum(f.bound(b - a) for a, b in chunks(off[d], off[d + 1], step))
+        step = max(1, ring_chunk(codec, n, dtype))      # both routes: the same chunks
+        total += sum(f.bound(b - a) for a, b in chunks(off[d], off[d + 1], step))
     return total
 
 
@@ -168,7 +169,8 @@ def run(t: Transport, buf: Any, dtype: str, op: str, route: str, codec: Compress
         if p > 1 and n:
             seeds = Seeds(seed, step, key, t.rank, codec.shared_seed)
             if route == "alltoall":
-                alltoall(t, x, codec, seeds, e, scratch)
+                alltoall(t, x, codec, seeds, e, scratch,
+                         chunk=ring_chunk(codec, n, arrays.dtype_name(x)))
             else:
                 wire = CompressedWire(codec, x, seeds, ef=None if e is None else _Flat(e),
                                       key=key, scratch=scratch)

@@ -13,7 +13,10 @@ a ratio to the first variant's median. Run under mpirun (or netns.py)::
         new:dense/auto base:dense/auto new:fp16/auto base:fp16/auto
 
 A variant is ``[new:|base:]codec[:key=value...]/algorithm`` (``dense``: no compressor).
-float32 sum of Gaussian data; ``GRADCOMM_PIPELINE`` and other settings come from the
+The options ``ef=1`` and ``guard=0|1`` time a stateful ``gradcomm.Allreduce(op="sum",
+error_feedback=True, guard=...)`` (one per variant, one key) instead of the stateless
+call, e.g. ``onebit:ef=1:guard=1/auto onebit:ef=1:guard=0/auto`` for the divergence
+guard's cost. float32 sum of Gaussian data; ``GRADCOMM_PIPELINE`` and other settings come from the
 environment.
 """
 
@@ -72,6 +75,10 @@ def main() -> None:
         opts = {k: _value(v) for k, v in (s.split("=", 1) for s in kv)}
         comp = None if name == "dense" else name
         mod, comm = mods[pkg], comms[pkg]
+        if opts.pop("ef", 0):
+            ar = mod.Allreduce(comm, op="sum", algorithm=alg, compressor=comp,
+                               error_feedback=True, guard=bool(opts.pop("guard", 1)), **opts)
+            return lambda: ar(x, key="x")
         return lambda: mod.allreduce(x, comm, algorithm=alg, compressor=comp, **opts)
 
     calls = [parse(s) for s in args.variants]

@@ -178,7 +178,7 @@ class Allreduce:
         if not compressed:
             self.error_feedback.advance(key)
         elif guard is not None and guard.check(t, key, self.error_feedback.residuals_of(key),
-                                               buf):
+                                               buf, same=True):
             self.error_feedback.clear(key)
         return arrays.from_flat(buf, meta)
 

@@ -112,42 +112,52 @@ class Guard:
         the steps before it."""
         self._pending[key] = sq_norm(g)
 
-    def check(self, t: Transport, key: str, residuals: Sequence[Any], out: Any) -> str | None:
+    def check(self, t: Transport, key: str, residuals: Sequence[Any], out: Any, *,
+              same: bool = False) -> str | None:
         """Collective: whether any rank must reset ``key`` (``"nonfinite"``,
         ``"over_bound"``) or None. Counts and warns; the caller resets. With ``clip``
-        set, :attr:`factor` is then the factor the caller scales ``out`` by (1.0: none)."""
-        nonfinite = over = 0.0
+        set, :attr:`factor` is then the factor the caller scales ``out`` by (1.0: none).
+
+        ``same``: ``out`` holds the same bytes on every rank (an allreduce's result, not a
+        reduce-scatter's shard), so each rank looks at its own ``1/p``-th of it and the
+        agreement adds up what they saw: the same decision, one pass over ``out`` shared
+        by the ranks instead of one each (with ``clip``, which needs the whole norm, each
+        rank looks at all of it)."""
         g2 = self._pending.pop(key, 0.0)
-        if not math.isfinite(sq_norm(out)):
-            nonfinite = 1.0
-        else:
-            e2 = sum(sq_norm(e) for e in residuals)
-            scale = self._scale.get(key)
-            if math.isfinite(g2) and g2 > self._scale.get(key, 0.0):
-                self._scale[key] = g2
-            if not math.isfinite(e2):
-                nonfinite = 1.0
-            elif self.bound is not None and scale is not None and e2 > self.bound ** 2 * scale:
-                over = 1.0
-        agreed = np.array([nonfinite, over, math.sqrt(g2) if math.isfinite(g2) else 0.0])
+        part = out
+        if same and t.size > 1 and self.clip is None:
+            n = out.shape[0]
+            part = out[t.rank * n // t.size:(t.rank + 1) * n // t.size]
+        out2 = sq_norm(part)
+        bad_out = 0.0 if math.isfinite(out2) else 1.0
+        e2 = sum(sq_norm(e) for e in residuals)
+        scale = self._scale.get(key)
+        bad_e = 0.0 if math.isfinite(e2) else 1.0
+        over = 1.0 if (not bad_e and self.bound is not None and scale is not None and
+                       e2 > self.bound ** 2 * scale) else 0.0
+        agreed = np.array([bad_out, bad_e, over,
+                           math.sqrt(g2) if math.isfinite(g2) else 0.0])
         if t.size > 1:
             from ..collectives import dense_allreduce
 
             dense_allreduce(t, agreed, "sum", "float64", "auto", check=False)
+        if not agreed[0] and math.isfinite(g2) and g2 > self._scale.get(key, 0.0):
+            self._scale[key] = g2               # a finite result: the step joins the scale
+        nonfinite, over = bool(agreed[0] or agreed[1]), bool(agreed[2])
         self.factor = 1.0
-        if not agreed[0] and not agreed[1]:
+        if not nonfinite and not over:
             if self.clip is not None:
-                limit = self.clip * float(agreed[2])     # sum over ranks of ||g_r||
-                norm = math.sqrt(sq_norm(out))
+                limit = self.clip * float(agreed[3])     # sum over ranks of ||g_r||
+                norm = math.sqrt(out2)          # part is out: all of it
                 if norm > limit:
                     self.factor = limit / norm
                     self.stats["clipped"] += 1
             return None
-        reason = "nonfinite" if agreed[0] else "over_bound"
+        reason = "nonfinite" if nonfinite else "over_bound"
         self.stats["guard_resets"] += 1
         self.stats["guard_" + reason] += 1
         warnings.warn(f"error-feedback state of {key!r} reset on every rank: "
-                      + ("a non-finite value reached it" if agreed[0] else
+                      + ("a non-finite value reached it" if nonfinite else
                          f"a residual norm passed {self.bound:g} x the gradient norm"),
                       GuardWarning, stacklevel=3)
         return reason

@@ -98,3 +98,30 @@ def test_a_clean_run_is_unchanged_by_the_guard():
     off = _run("topk", "ring", 3, guard=False, bad=0.5)
     assert [o for _, o, _ in on] == [o for _, o, _ in off]
     assert all(s["guard_resets"] == 0 for *_, s in on)
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_a_shared_result_is_checked_in_shards_that_cover_it(p):
+    """``check(..., same=True)``: each rank looks at its own part of the (identical)
+    result; a NaN at any position, with finite residuals everywhere, is still a reset on
+    every rank, and no rank lets that step into its scale."""
+    n = 7
+
+    def fn(t):
+        seen = []
+        for i in range(n):
+            g = Guard()
+            g.observe("w", np.ones(3, np.float32))
+            out = np.ones(n, np.float32)
+            out[i] = np.nan
+            seen.append((g.check(t, "w", [np.zeros(3, np.float32)], out, same=True),
+                         dict(g._scale)))
+        g = Guard()
+        g.observe("w", np.ones(3, np.float32))
+        seen.append((g.check(t, "w", [np.zeros(3, np.float32)], np.ones(n, np.float32),
+                             same=True), dict(g._scale)))
+        return seen
+
+    for seen in run_ranks(p, fn):
+        assert seen[:n] == [("nonfinite", {})] * n, seen
+        assert seen[n] == (None, {"w": 3.0})

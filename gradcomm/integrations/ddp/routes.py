@@ -270,7 +270,7 @@ class Routes:
         reason = None
         if guard is not None:
             reason = guard.check(self.transport, plan.unit,
-                                 self.residuals.unit_arrays(plan.unit), out)
+                                 self.residuals.unit_arrays(plan.unit), out, same=True)
             if reason is None and guard.factor < 1.0:
                 self._give_back(out, keys, lengths, guard.factor)
         if mc is not None:

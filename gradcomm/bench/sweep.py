@@ -254,7 +254,7 @@ def predicted(t: Transport, profile: Profile | None, v: Variant, size: int, dtyp
         return None
     if v.baseline:
         return profile.predict("native", size, t.size, dtype)
-    return profile.call_time(alg, size, t.size, dtype, check=v.check)
+    return profile.call_time(alg, size, t.size, dtype, check=v.check, transport=t)
 
 
 class _Inputs:

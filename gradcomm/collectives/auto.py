@@ -82,7 +82,8 @@ def select(t: Transport, nbytes: int, dtype: str = "float32", op: str = "sum", *
     if prof is None:
         name = table(t, nbytes, allow)
     else:
-        name = prof.best((*HOP, "native") if allow else HOP, nbytes, t.size, dtype)
+        name = prof.best((*HOP, "native") if allow else HOP, nbytes, t.size, dtype,
+                         transport=t)
     if len(cache) >= _CACHE_LIMIT:
         cache.clear()
     cache[key] = name

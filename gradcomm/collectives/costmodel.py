@@ -10,20 +10,27 @@ cost of a ``gradcomm.allreduce`` call and of its argument check, the input copy 
 and codec encode/decode seconds per byte.
 
 Modelled time of one allreduce of ``n`` bytes on ``p`` ranks (q = 2^floor(log2 p),
-r = p − q, k = log2 q, d = ceil(log2 p); ring and tree move chunks of c = 512 KiB, m of
-them per segment):
+r = p − q, k = log2 q, d = ceil(log2 p); ring and tree move messages of c bytes, m of
+them per segment, and wait out a message's latency once per w − 1 of them, w the
+receives they keep posted):
 
 ================== =========================================================================
-ring               2(p−1)·m·α + 2(p−1)/p·n·β + (p−1)/p·n·γ + (p−1)·m·δ,  m = ceil(n/p / c)
+ring               2(p−1)·l·α + 2(p−1)/p·n·β + (p−1)/p·n·γ + (p−1)·m·δ,  m = ceil(n/p / c),
+                   l = ceil(m / (w − 1))
 recursive_doubling k·(α + nβ + nγ + δ) + F,  F = [r > 0]·(2(α + nβ) + nγ + δ) (the fold)
 rabenseifner       2k·α + 2(q−1)/q·n·β + (q−1)/q·n·γ + k·δ + F
-tree               2d·m·α + 2d·n·β + d·n·γ + d·m·δ,  m = ceil(n / c)
+tree               2d·m·α + 2d·n·β + d·n·γ + d·m·δ,  m = ceil(n / c) (double buffered)
 native             measured: interpolated linearly between the calibrated sizes
 ================== =========================================================================
 
 β in each term is :meth:`Profile.beta_at` the size of that algorithm's messages (n/p and
 at most c for ring, n for recursive doubling, n/2 for Rabenseifner, at most c for tree):
 the fitted β, or more where the calibrated exchanges of that size took longer per byte.
+c and w are the transport's (``transport=``: its :meth:`~gradcomm.comm.Transport.chunk_bytes`
+of the segment, and w = 1 + max(1, window_bytes // c) as the ring posts them, from the
+class's ``window_bytes`` so that every rank models the same); without one, c =
+:data:`CHUNK_BYTES` and w = 2 (double buffering), the pipeline the profiles were first
+calibrated with.
 
 **Compressed routes** (:func:`route_times`, behind a compressed ``algorithm="auto"``):
 ``T = α·messages + β·bytes sent + e·elements encoded + g·elements decoded`` per rank,
@@ -106,6 +113,23 @@ def default_path(transport: str, ranks: int) -> str:
     return os.path.join(base, "gradcomm", f"profile-{transport}-{ranks}.json")
 
 
+def pipeline(transport: Any, segment_bytes: int) -> tuple[int, int]:
+    """(message bytes c, receives posted w) of a pipelined dense collective whose
+    segments hold ``segment_bytes`` on ``transport`` (None: :data:`CHUNK_BYTES`, 2).
+
+    Example:
+        >>> pipeline(None, 50 << 20)
+        (524288, 2)
+        >>> from gradcomm.comm import run_ranks
+        >>> run_ranks(1, lambda t: pipeline(t, 50 << 20))[0]    # in-process: 512 KiB, 2
+        (524288, 2)
+    """
+    if transport is None:
+        return CHUNK_BYTES, 2
+    c = max(1, int(transport.chunk_bytes(int(segment_bytes))))
+    return c, 1 + max(1, int(type(transport).window_bytes) // c)
+
+
 @dataclass
 class Profile:
     """Measured costs of one transport at one rank count (seconds, bytes)."""
@@ -146,9 +170,11 @@ class Profile:
         g = self.gamma.get(dtype)
         return self.gamma.get("float32", 0.0) if g is None else g
 
-    def predict(self, algorithm: str, nbytes: int, p: int, dtype: str = "float32") -> float:
+    def predict(self, algorithm: str, nbytes: int, p: int, dtype: str = "float32", *,
+                transport: Any = None) -> float:
         """Modelled seconds of the algorithm itself (see the module table); ``inf`` for
-        ``native`` without measurements."""
+        ``native`` without measurements. ``transport``: whose pipeline ring and tree
+        use (message size and receive window; None: 512 KiB, double buffering)."""
         n = float(nbytes)
         if p <= 1 or nbytes <= 0:
             return 0.0
@@ -158,8 +184,10 @@ class Profile:
         k = q.bit_length() - 1
         fold = 2 * (a + n * bt(n)) + n * g + dl if p != q else 0.0
         if algorithm == "ring":
-            m = max(1, math.ceil(n / p / CHUNK_BYTES))
-            return (2 * (p - 1) * m * a + 2 * (p - 1) / p * n * bt(min(n / p, CHUNK_BYTES))
+            c, w = pipeline(transport, math.ceil(n / p))
+            m = max(1, math.ceil(n / p / c))
+            rounds = math.ceil(m / (w - 1))
+            return (2 * (p - 1) * rounds * a + 2 * (p - 1) / p * n * bt(min(n / p, c))
                     + (p - 1) / p * n * g + (p - 1) * m * dl)
         if algorithm == "recursive_doubling":
             return k * (a + n * bt(n) + n * g + dl) + fold
@@ -168,9 +196,9 @@ class Profile:
                     + fold)
         if algorithm == "tree":
             d = (p - 1).bit_length()
-            m = max(1, math.ceil(n / CHUNK_BYTES))
-            return (2 * d * m * a + 2 * d * n * bt(min(n, CHUNK_BYTES)) + d * n * g
-                    + d * m * dl)
+            c, _ = pipeline(transport, nbytes)
+            m = max(1, math.ceil(n / c))
+            return (2 * d * m * a + 2 * d * n * bt(min(n, c)) + d * n * g + d * m * dl)
         if algorithm == "native":
             return _interpolate(self.native, n) if self.native else math.inf
         raise ConfigError(f"no cost model for algorithm {algorithm!r}; known: "
@@ -185,18 +213,18 @@ class Profile:
         return max(self.beta, (_interpolate(pts, m) - pts[0][1]) / m)
 
     def call_time(self, algorithm: str, nbytes: int, p: int, dtype: str = "float32",
-                  check: bool = True) -> float:
+                  check: bool = True, *, transport: Any = None) -> float:
         """Modelled seconds of a whole ``gradcomm.allreduce`` call (fixed overhead, the
         check if any, the input copy, the algorithm)."""
         return (self.overhead + (self.check if check and p > 1 else 0.0) + self.copy * nbytes
-                + self.predict(algorithm, nbytes, p, dtype))
+                + self.predict(algorithm, nbytes, p, dtype, transport=transport))
 
     def best(self, candidates: Iterable[str], nbytes: int, p: int,
-             dtype: str = "float32") -> str:
+             dtype: str = "float32", *, transport: Any = None) -> str:
         """The candidate with the lowest modelled time (the first listed on a tie)."""
         out, low = None, math.inf
         for name in candidates:
-            t = self.predict(name, nbytes, p, dtype)
+            t = self.predict(name, nbytes, p, dtype, transport=transport)
             if out is None or t < low:
                 out, low = name, t
         if out is None:

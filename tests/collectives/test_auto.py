@@ -379,3 +379,33 @@ def test_auto_hands_small_checked_calls_to_a_fast_native_allreduce() -> None:
         assert sent[1] > 0 and sent[2] > 0    # unchecked ("first": verified by call 1),
                                               # unbounded native: recursive doubling
         assert sent[3] == 0                   # unchecked but bounded: native
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("p", [2, 3])
+def test_the_model_follows_the_transports_pipeline(p: int, monkeypatch) -> None:
+    """With ``transport=``, ring and tree are modelled with that transport's messages
+    (``chunk_bytes``) and ring's receive window: bytes, reduced bytes and reduce calls
+    still equal what the ring did with those settings, and the messages' latency is
+    paid once per window (``w - 1`` messages) instead of once per message."""
+    from gradcomm.comm.threads import ThreadTransport
+    from gradcomm.collectives.costmodel import pipeline
+
+    monkeypatch.setattr(ThreadTransport, "max_chunk_bytes", 4 * CHUNK_BYTES)
+    monkeypatch.setattr(ThreadTransport, "chunks_per_segment", 4)
+    monkeypatch.setattr(ThreadTransport, "window_bytes", 8 * CHUNK_BYTES)
+    n = p * 3 * CHUNK_BYTES                         # 12 MiB segments: 4 messages of 3 MiB
+    nbytes = n * 4
+    got = critical_path("ring", p, n)
+    t = run_ranks(1, lambda t: t)[0]
+    c, w = pipeline(t, nbytes // p)
+    assert (c, w) == (3 * CHUNK_BYTES, 1 + 8 // 3)
+    m = math.ceil(nbytes / p / c)
+    model = tuple(round(unit(**{k: 1.0}).predict("ring", nbytes, p, transport=t))
+                  for k in ("alpha", "beta", "gamma", "delta"))
+    assert got[1:] == model[1:], (got, model)
+    assert got[3] == (p - 1) * m
+    assert got[0] == 2 * (p - 1) * m                # messages on the wire ...
+    assert model[0] == 2 * (p - 1) * math.ceil(m / (w - 1))   # ... latencies paid
+    assert unit(alpha=1.0).predict("ring", nbytes, p) == 2 * (p - 1) * \
+        math.ceil(nbytes / p / CHUNK_BYTES)         # without: 512 KiB, double buffered

@@ -55,9 +55,32 @@ def _reduce(x: Any, comm: Any, problem: Exception | None, *, op: str = "sum",
     """:func:`allreduce`; ``problem``: this rank's objection to the call, raised here
     before data moves (the other ranks learn of it from the check)."""
     t = get_transport(comm)
-    plan = Reduction(op, algorithm, compressor, options, None, check)
+    plan = _plan_of(op, algorithm, compressor, check) if not options else None
+    if plan is None:
+        plan = Reduction(op, algorithm, compressor, options, None, check)
     buf, meta = plan.flat(x, t)
     return arrays.from_flat(plan.run(t, buf, meta.dtype, meta=meta, problem=problem), meta)
+
+
+#: the option-free Reductions of earlier calls, by (op, algorithm, compressor, check)
+_PLANS: dict[Any, Reduction] = {}
+
+
+def _plan_of(op: Any, algorithm: Any, compressor: Any, check: Any) -> Reduction | None:
+    """The (frozen, shareable) Reduction of a call without codec options whose compressor
+    is None or a name, made once (None for other calls: they build their own)."""
+    if compressor is not None and type(compressor) is not str:
+        return None
+    key = (op, algorithm, compressor, check)
+    try:
+        plan = _PLANS.get(key)
+    except TypeError:                       # an unhashable argument: reported later
+        return None
+    if plan is None:
+        if len(_PLANS) >= 256:
+            _PLANS.clear()
+        plan = _PLANS[key] = Reduction(op, algorithm, compressor, {}, None, check)
+    return plan
 
 
 def allreduce_(x: Any, comm: Any = None, **kwargs: Any) -> Any:

@@ -101,3 +101,37 @@ def test_sparse_and_meta_torch_tensors_are_refused_up_front() -> None:
         errs = each_rank(2, lambda t: gradcomm.allreduce(x, t))
         for e in errs:
             assert isinstance(e, ConfigError) and words in str(e), e
+
+
+@pytest.mark.parametrize("field", ["op", "algorithm", "compressor"])
+def test_memoised_plans_still_see_every_argument(field: str) -> None:
+    """gradcomm.allreduce keeps the Reduction of option-free calls; after identical
+    calls, a rank that changes one argument still gets its own plan, and the ranks learn
+    of the difference (MismatchError on every rank)."""
+    other = {"op": ("sum", "max"), "algorithm": ("ring", "tree"),
+             "compressor": (None, "fp16")}[field]
+
+    def fn(t: Any) -> Any:
+        x = np.arange(1.0, 5.0, dtype=np.float32)
+        for _ in range(2):
+            gradcomm.allreduce(x, t, **{field: other[0]})
+        return gradcomm.allreduce(x, t, **{field: other[t.rank == 1]}).tolist()
+
+    got = each_rank(2, fn)
+    assert all(isinstance(g, MismatchError) for g in got), got
+
+
+def test_memoised_plans_keep_the_check_mode() -> None:
+    """check=False after checked calls with the same other arguments skips the exchange
+    (fewer messages), check=True after unchecked ones makes it again."""
+    def fn(t: Any) -> list[int]:
+        x = np.arange(1.0, 5.0, dtype=np.float32)
+        sent = []
+        for check in (True, True, False, False, True):
+            t.stats.reset()
+            gradcomm.allreduce(x, t, algorithm="ring", check=check)
+            sent.append(t.stats.messages_sent)
+        return sent
+
+    for sent in run_ranks(2, fn):
+        assert sent[0] == sent[1] == sent[4] > sent[2] == sent[3], sent

@@ -32,9 +32,11 @@ from ._util import median_slowest_us
 
 
 def steps(t: Transport, size: int, algorithm: str = "recursive_doubling",
-          raw: Callable[[], Any] | None = None) -> tuple[list[tuple[str, Callable[[], Any]]],
-                                                         Callable[[], None]]:
-    """The layers to time, bottom up, and a reset for the scratch buffer they reduce."""
+          raw: Callable[[], Any] | None = None,
+          extra: list[tuple[str, Callable[[], Any]]] = ()  # type: ignore[assignment]
+          ) -> tuple[list[tuple[str, Callable[[], Any]]], Callable[[], None]]:
+    """The layers to time, bottom up (``extra`` last, e.g. ``wrap(comm).Allreduce``),
+    and a reset for the scratch buffer they reduce."""
     import gradcomm
     from .. import arrays
     from ..collectives import algorithm as get_algorithm
@@ -79,6 +81,7 @@ def steps(t: Transport, size: int, algorithm: str = "recursive_doubling",
         ("gradcomm.allreduce(auto, check='first')",
          lambda: gradcomm.allreduce(x, t, check="first")),
         ("gradcomm.allreduce(auto)", lambda: gradcomm.allreduce(x, t)),
+        *extra,
     ]
     if raw is not None:               # again: the first layer timed also pays warm-up
         out.append(("library allreduce, direct (again)", raw))
@@ -90,13 +93,15 @@ def steps(t: Transport, size: int, algorithm: str = "recursive_doubling",
 
 
 def layers(t: Transport, size: int, *, iters: int = 1000, warmup: int = 100,
-           algorithm: str = "recursive_doubling", raw: Callable[[], Any] | None = None
+           algorithm: str = "recursive_doubling", raw: Callable[[], Any] | None = None,
+           extra: list[tuple[str, Callable[[], Any]]] = ()  # type: ignore[assignment]
            ) -> list[tuple[str, float | None]]:
     """(layer, median µs) from the bottom up; times on rank 0 only.
 
-    ``raw``, if given, is the library's allreduce called directly (e.g. mpi4py's).
+    ``raw``, if given, is the library's allreduce called directly (e.g. mpi4py's);
+    ``extra``: more (name, call) layers, timed after ``gradcomm.allreduce``.
     """
-    todo, reset = steps(t, size, algorithm, raw)
+    todo, reset = steps(t, size, algorithm, raw, extra)
     out = []
     for name, fn in todo:
         with np.errstate(over="ignore"):       # buf is summed into itself over and over
@@ -121,9 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     size = parse_size(args.size)
 
-    def run(t: Transport, raw: Callable[[], Any] | None) -> None:
+    def run(t: Transport, raw: Callable[[], Any] | None,
+            extra: list[tuple[str, Callable[[], Any]]] = ()) -> None:  # type: ignore
         rounds = [layers(t, size, iters=args.iters, warmup=args.warmup,
-                         algorithm=args.algorithm, raw=raw) for _ in range(args.rounds)]
+                         algorithm=args.algorithm, raw=raw, extra=extra)
+                  for _ in range(args.rounds)]
         if t.rank != 0:
             return
         import os
@@ -145,10 +152,14 @@ def main(argv: list[str] | None = None) -> int:
     if detect_launcher() == "mpi":
         from .launch import mpi_world
 
+        from ..integrations.mpi import wrap
+
         t, MPI, _ = mpi_world()
         x = np.ones(max(size // 4, 1), np.float32)
-        out = np.empty_like(x)
-        run(t, lambda: MPI.COMM_WORLD.Allreduce(x, out))
+        out, out2 = np.empty_like(x), np.empty_like(x)
+        w = wrap(MPI.COMM_WORLD)
+        run(t, lambda: MPI.COMM_WORLD.Allreduce(x, out),
+            [("wrap(comm).Allreduce", lambda: w.Allreduce(x, out2))])
     else:
         from ..comm import run_ranks
 

@@ -58,6 +58,9 @@ from ..errors import ConfigError
 _HANDLED = frozenset({"float16", "bfloat16", "float32", "float64", "int8", "int16", "int32",
                       "int64", "uint8", "uint16", "uint32", "uint64"})
 _OPS = (("SUM", "sum"), ("MAX", "max"), ("MIN", "min"), ("PROD", "prod"))
+#: numpy dtypes that store a handled dtype as themselves (native byte order), by dtype:
+#: a plain contiguous numpy array of one is its own flat typed view (:func:`_spec`)
+_PLAIN = {storage(n): n for n in _HANDLED if n != "bfloat16" and storage(n).name == n}
 #: where staged sums work, and compressed sums of arrays whose codecs run on the host
 _HOST = frozenset({"cpu"})
 
@@ -342,6 +345,11 @@ def _storage_of(obj: Any) -> tuple[Any, np.ndarray | None, int, str] | None:
 
 def _spec(MPI: Any, spec: Any) -> tuple[_Buf, str] | None:
     """Parse an mpi4py buffer spec into (the buffer, its logical dtype)."""
+    if type(spec) is np.ndarray:               # the common case, without the byte views
+        name = _PLAIN.get(spec.dtype)
+        if name is not None and spec.flags.c_contiguous:
+            flat = spec if spec.ndim == 1 else spec.reshape(-1)
+            return _Buf(spec, flat, flat.size), name
     count, datatype = None, None
     if isinstance(spec, (list, tuple)):
         if len(spec) == 2:

@@ -125,6 +125,28 @@ def test_buffer_specs_are_parsed_like_mpi4py(MPI: Any) -> None:
         pair.Free()
 
 
+def test_plain_arrays_take_the_short_parse_to_the_same_buffers(MPI: Any) -> None:
+    """A plain contiguous numpy array (the common spec) is parsed without the byte views,
+    to what the general parse (the ``[array, count]`` spec) gives: the same dtype, count,
+    memory and writability; other arrays keep the general parse."""
+    from gradcomm.integrations.mpi import _PLAIN, _spec
+
+    ro = np.arange(4, dtype=np.int16)
+    ro.flags.writeable = False
+    for a in [np.arange(5.0), np.arange(12, dtype=np.float32).reshape(3, 4),
+              np.zeros((2, 0, 3), np.uint8), np.array(7, np.int64), ro,
+              np.arange(6, dtype=np.float16), np.arange(3, dtype=np.uint64)]:
+        fast, general = _spec(MPI, a), _spec(MPI, [a, a.size])
+        assert fast is not None and general is not None, a
+        (fb, fd), (gb, gd) = fast, general
+        assert fd == gd and fb.count == gb.count == a.size and fb.obj is a, a
+        assert fb.view.dtype == gb.view.dtype and fb.view.shape == gb.view.shape == (a.size,)
+        assert fb.view.ctypes.data == gb.view.ctypes.data or a.size == 0
+        assert fb.view.flags.writeable == gb.view.flags.writeable == a.flags.writeable
+    assert _spec(MPI, np.arange(4.0)[::2]) is None                 # left to MPI, as before
+    assert np.dtype(">f8") not in _PLAIN and np.dtype("<f8") in _PLAIN   # byte order
+
+
 def test_wrap_on_comm_self_runs_gradcomm_and_falls_back(MPI: Any) -> None:
     from gradcomm.integrations.mpi import wrap
 

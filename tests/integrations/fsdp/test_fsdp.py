@@ -6,7 +6,8 @@ equal to the exact replay of every rank's recorded inputs (error feedback on), b
 reduce dtype, the ring route, the gradient divide factor, accumulation without sync,
 unsupported set-ups refused with advice, resume from ``state_dict`` (torch.save and DCP)
 bitwise equal to the unbroken run, a state saved at 2 ranks loaded at 3 keeping the error
-mass, convergence close to uncompressed, HSDP through the replicate hook, and the
+mass, convergence close to uncompressed, HSDP through the replicate hook (on a real 2 x 2
+mesh at 4 ranks: bitwise equal to FSDP2's own HSDP for None, the replay's for int8), and the
 divergence guard resetting residuals a NaN step poisoned (without it, the planted fault,
 the run stays non-finite). In-process:
 the layout's mapping between FSDP2's flat buffer and each parameter.
@@ -40,6 +41,16 @@ def test_fsdp_on_two_then_three_gloo_processes(tmp_path: Path) -> None:
                    "--dir", tmp_path, timeout=150)
     info = run.clean_results(3)[0]["info"]
     assert info["resized_from"] == 2 and all(n == 9 for n in info["codecs"].values()), info
+
+
+@pytest.mark.timeout(200)
+def test_hsdp_on_a_two_by_two_mesh(tmp_path: Path) -> None:
+    """4 gloo processes (oversubscribed on small machines): FSDP on mesh["shard"] plus
+    gradcomm on the replicate dimension equals FSDP2's own HSDP bitwise for None, and
+    with int8 every reduce-scatter and replicate average equals its replay."""
+    run = torchrun(CHECKS, 4, "hsdp22", "hsdp", "--dir", tmp_path, timeout=150)
+    info = run.clean_results(4)[0]["info"]
+    assert info["hsdp22"] == [9, 9], info          # 3 modules x 3 steps, both stages
 
 
 def test_layout_round_trips_and_moves_between_rank_counts() -> None:

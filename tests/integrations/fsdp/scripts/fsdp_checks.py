@@ -373,6 +373,77 @@ def check_hsdp() -> None:
         fail("hsdp int8 far from the uncompressed average")
 
 
+class HookRecorder:
+    """Delegates to the replicate hook ``inner``; keeps (key, input copy, output copy)."""
+
+    def __init__(self, inner, key: str, log: list) -> None:
+        self.inner, self.key, self.log = inner, key, log
+
+    def __call__(self, reduce_output):
+        x = reduce_output.clone()
+        self.inner(reduce_output)
+        self.log.append((self.key, x, reduce_output.clone()))
+
+
+def _gather_in(t: torch.Tensor, group) -> list[torch.Tensor]:
+    out = [torch.empty_like(t) for _ in range(group.size())]
+    dist.all_gather(out, t.contiguous(), group=group)
+    return out
+
+
+def check_hsdp22() -> None:
+    """HSDP on a real 2 x 2 mesh (4 ranks): ``compress_fsdp(None, replicate_group=)`` on
+    1-D FSDP over mesh["shard"] gives parameters bitwise equal to FSDP2's own HSDP
+    (``fully_shard`` on the 2-D mesh); with int8 (error feedback, seed 5) every
+    reduce-scatter shard equals the replay of its shard group's recorded inputs, and every
+    replicate average the replay of the compressed allreduce of its replicate group's
+    recorded shards."""
+    from gradcomm.bench.replay import replay
+
+    if dist.get_world_size() != 4:
+        fail("hsdp22 needs 4 ranks")
+        return
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    rep, sg = mesh["replicate"].get_group(), mesh["shard"].get_group()
+    res = []
+    for ours in (False, True):
+        m = shard(make_model(), mesh=mesh["shard"] if ours else mesh)
+        if ours:
+            compress_fsdp(m, None, replicate_group=rep)
+        train(m, torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), range(4))
+        res.append(local(m))
+    if res[0].numpy().tobytes() != res[1].numpy().tobytes():
+        fail("hsdp22: compress_fsdp(None, replicate_group=) differs from FSDP2's own HSDP")
+    m = shard(make_model(), mesh=mesh["shard"])
+    st = compress_fsdp(m, "int8", seed=5, replicate_group=rep)
+    rs_log = record(m, st)
+    hook_log: list = []
+    for name, mod in m.named_modules():
+        key = name or "(root)"
+        if key in st.hooks:
+            mod.set_all_reduce_hook(HookRecorder(st.hooks[key], key, hook_log))
+    train(m, torch.optim.SGD(m.parameters(), lr=0.05), range(3))
+    me_s, me_r = sg.rank(), rep.rank()
+    rs_stores = [ErrorFeedback() for _ in range(2)]
+    for i, (key, avg, x, out) in enumerate(rs_log):
+        want = replay_reduce_scatter([storage(a) for a in _gather_in(x, sg)],
+                                     dtype="float32", op="mean" if avg else "sum",
+                                     algorithm="auto", compressor="int8", seed=5,
+                                     residuals=rs_stores, key=key)
+        if storage(out).tobytes() != want[me_s].tobytes():
+            fail(f"hsdp22: reduce-scatter call {i} ({key}) differs from the replay")
+            break
+    rep_stores = [ErrorFeedback() for _ in range(2)]
+    for i, (key, x, out) in enumerate(hook_log):
+        want = replay([storage(a) for a in _gather_in(x, rep)], dtype="float32", op="mean",
+                      algorithm="allgather", compressor="int8", seed=5,
+                      residuals=rep_stores, key=key + "#replicate")
+        if storage(out).tobytes() != want.tobytes():
+            fail(f"hsdp22: replicate average {i} ({key}) differs from the replay")
+            break
+    INFO["hsdp22"] = [len(rs_log), len(hook_log)]
+
+
 def check_guard() -> None:
     """A NaN gradient on rank 0 (the step skipped, as GradScaler does) poisons the
     residuals; the guard resets them on every rank and training goes on finite;
@@ -401,7 +472,8 @@ def check_guard() -> None:
 
 CHECKS = {"guard": check_guard, "parity": check_parity, "codecs": check_codecs, "options": check_options,
           "errors": check_errors, "resume": check_resume, "save": check_save,
-          "resize": check_resize, "converge": check_converge, "hsdp": check_hsdp}
+          "resize": check_resize, "converge": check_converge, "hsdp": check_hsdp,
+          "hsdp22": check_hsdp22}
 
 
 def main() -> None:

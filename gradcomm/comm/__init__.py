@@ -37,6 +37,9 @@ atexit.register(_forget_all)
 def get_transport(comm: Any = None, *, timeout: float | None = None) -> Transport:
     """The transport for ``comm``: a Transport, an mpi4py communicator, a torch
     ProcessGroup, or None (torch's default group if initialised, else MPI.COMM_WORLD)."""
+    cached = _CACHE.get(id(comm))           # first: isinstance of the ABC costs more
+    if cached is not None and cached[0] is comm:
+        return cached[1]
     if isinstance(comm, Transport):
         return comm
     if comm is None:

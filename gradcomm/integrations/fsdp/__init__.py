@@ -86,7 +86,8 @@ def make_reduce_scatter(compressor: Any = None, *, error_feedback: bool = True,
 def compress_fsdp(model: Any, compressor: Any = None, *, error_feedback: bool = True,
                   algorithm: str = "auto", seed: int = 0, replicate_group: Any = None,
                   replicate_algorithm: str = "allgather", guard: bool = True,
-                  residual_bound: float | None = 1000.0, **options: Any) -> Any:
+                  residual_bound: float | None = 1000.0, weights: str | None = None,
+                  weight_bucket_size: int = 256, **options: Any) -> Any:
     """Install a compressed reduce-scatter on every FSDPModule in ``model`` (call after
     ``fully_shard``, on every rank); returns the :class:`~.state.FSDPState`.
 
@@ -106,6 +107,11 @@ def compress_fsdp(model: Any, compressor: Any = None, *, error_feedback: bool = 
             reduce-scatter the ranks agree (one small allreduce) whether a module's
             residuals went non-finite or past ``residual_bound`` times the largest
             gradient norm seen, and zero them on every rank (``state.guard.stats``).
+        weights: ``"int8"``: also quantize the parameter all-gather (a prototype of
+            ZeRO++'s qwZ, CPU float32 parameters only: :mod:`.allgather`); forward and
+            backward then compute with blockwise-int8 weights (``weight_bucket_size``
+            elements per block), the master shards stay exact. Default None: FSDP2's own
+            all-gather.
     """
     from torch.distributed.fsdp import FSDPModule
 
@@ -117,6 +123,11 @@ def compress_fsdp(model: Any, compressor: Any = None, *, error_feedback: bool = 
     from .state import FSDPState
 
     codec = _codec(compressor, options)
+    from .allgather import WEIGHT_CODECS, QuantizedAllGather
+
+    if weights is not None and weights not in WEIGHT_CODECS:
+        raise ConfigError(f"unknown weights codec {weights!r}; known: None, "
+                          f"{', '.join(WEIGHT_CODECS)}")
     if algorithm not in ALGORITHMS:
         raise ConfigError(f"unknown algorithm {algorithm!r}; known: {', '.join(ALGORITHMS)}")
     lossy = codec is not None and codec.lossy
@@ -160,6 +171,12 @@ def compress_fsdp(model: Any, compressor: Any = None, *, error_feedback: bool = 
         comm.shard_rank = g.mesh_info.shard_mesh_rank
         module.set_custom_reduce_scatter(comm)
         state.layouts[key], state.comms[key] = lay, comm
+        if weights is not None:
+            gather = QuantizedAllGather(
+                bucket_size=weight_bucket_size,
+                side_group=side_group(g.mesh_info.shard_process_group, sides))
+            module.set_custom_all_gather(gather)
+            state.gathers[key] = gather
         if replicate_group is not None:
             rep = replicate_group if codec is None else side_group(replicate_group, sides)
             hook = ReplicateHook(codec, rep, state.ef, key,

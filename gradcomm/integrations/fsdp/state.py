@@ -51,6 +51,8 @@ class FSDPState:
         self.layouts: dict[str, Layout] = {}
         self.comms: dict[str, Any] = {}
         self.hooks: dict[str, Any] = {}
+        #: the quantized all-gathers (``compress_fsdp(weights="int8")``), by module key
+        self.gathers: dict[str, Any] = {}
         self.world: Any = None              # the transport checkpoints are collected over
         self.guard: Any = None              # the divergence guard (compress_fsdp sets it)
 

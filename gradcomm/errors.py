@@ -22,6 +22,12 @@ class ConfigError(GradcommError, ValueError):
     """An unknown name or an invalid option (algorithm, op, compressor, topology...)."""
 
 
+class BufferFormatError(ConfigError, BufferError):
+    """A buffer whose memory cannot be read as its dtype says (a byte-swapped numpy array,
+    e.g. dtype ``">f8"`` on a little-endian machine): also a BufferError, as mpi4py raises
+    for such a buffer."""
+
+
 class UnknownNameError(ConfigError, KeyError):
     """A name that is not in its registry (a compressor, ...): also a KeyError, as a
     registry lookup raises."""

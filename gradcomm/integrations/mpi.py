@@ -52,7 +52,7 @@ import numpy as np
 
 from .. import arrays
 from .._dtypes import storage
-from ..errors import ConfigError
+from ..errors import BufferFormatError, ConfigError
 
 #: logical dtypes the wrapper reduces itself (bool is left to MPI: it only allows LOR/LAND)
 _HANDLED = frozenset({"float16", "bfloat16", "float32", "float64", "int8", "int16", "int32",
@@ -344,7 +344,9 @@ def _storage_of(obj: Any) -> tuple[Any, np.ndarray | None, int, str] | None:
 
 
 def _spec(MPI: Any, spec: Any) -> tuple[_Buf, str] | None:
-    """Parse an mpi4py buffer spec into (the buffer, its logical dtype)."""
+    """Parse an mpi4py buffer spec into (the buffer, its logical dtype); None to leave it
+    to MPI. Raises BufferFormatError for a byte-swapped array of a handled dtype (MPI
+    would read its bytes as native ones)."""
     if type(spec) is np.ndarray:               # the common case, without the byte views
         name = _PLAIN.get(spec.dtype)
         if name is not None and spec.flags.c_contiguous:
@@ -376,6 +378,10 @@ def _spec(MPI: Any, spec: Any) -> tuple[_Buf, str] | None:
             return None
     if dtype not in _HANDLED:
         return None
+    if isinstance(arr, np.ndarray) and not arr.dtype.isnative:
+        raise BufferFormatError(
+            f"Allreduce: a buffer of dtype {arr.dtype.str!r} is not in native byte order; "
+            f"mpi4py refuses it too (a native copy: x.astype(x.dtype.newbyteorder('=')))")
     st = storage(dtype)
     if nbytes % st.itemsize:
         return None
@@ -410,13 +416,17 @@ def _plan(MPI: Any, comm: Any, sendbuf: Any, recvbuf: Any,
           op: Any) -> tuple[_Buf | None, _Buf, str, str] | ConfigError | None:
     """(send buffer or None for IN_PLACE, receive buffer, dtype, op), None to hand the
     call to MPI, or the ConfigError of a call that cannot be made (a read-only receive
-    buffer)."""
+    buffer, a byte-swapped one: raised on every rank by the agreement)."""
     if not isinstance(comm, MPI.Intracomm):
         return None
     opname = _op_name(MPI, op)
     if opname is None:
         return None
-    recv = _spec(MPI, recvbuf)
+    try:
+        recv = _spec(MPI, recvbuf)
+        send = None if sendbuf is MPI.IN_PLACE else _spec(MPI, sendbuf)
+    except BufferFormatError as exc:
+        return exc
     if recv is None:
         return None
     rbuf, dtype = recv
@@ -425,7 +435,6 @@ def _plan(MPI: Any, comm: Any, sendbuf: Any, recvbuf: Any,
                            "not be written)")
     if sendbuf is MPI.IN_PLACE:
         return None, rbuf, dtype, opname
-    send = _spec(MPI, sendbuf)
     if send is None:
         return None
     sbuf, sdtype = send

@@ -22,7 +22,8 @@ SCRIPT = Path(__file__).resolve().parent / "scripts" / "mpi_wrap_check.py"
 def _failures(res: dict[str, Any]) -> dict[str, Any]:
     bad: dict[str, Any] = {}
     for k, v in res.items():
-        if k in ("rank", "digests", "mismatch", "compressed_bytes"):
+        if k in ("rank", "digests", "mismatch", "swapped_all", "swapped_one",
+                 "compressed_bytes"):
             continue
         if isinstance(v, dict):
             sub = {kk: vv for kk, vv in v.items() if vv is not True}
@@ -41,6 +42,9 @@ def test_wrap_in_a_raw_mpi4py_program(n: int, extra: tuple[str, ...]) -> None:
     for r in results:
         assert _failures(r) == {}, f"rank {r['rank']}: {_failures(r)}"
         assert r["mismatch"] == "MismatchError", r["rank"]
+        assert r["swapped_all"] == "BufferFormatError", r["rank"]
+        assert r["swapped_one"] == ("BufferFormatError" if r["rank"] == 0 else
+                                    "MismatchError"), r["rank"]
         staged = {"in_place", "count_in_place", "count_out_of_place", "reinterpreted",
                   "bytearray", "float16", "empty", "min_int", "bitwise_equal_to_direct"}
         staged |= set() if extra else {"torch_in_place", "torch_bfloat16", "torch_spec",
@@ -83,7 +87,7 @@ def test_wrap_validates_its_options(MPI: Any) -> None:
 
 
 def test_buffer_specs_are_parsed_like_mpi4py(MPI: Any) -> None:
-    from gradcomm.errors import ConfigError
+    from gradcomm.errors import BufferFormatError, ConfigError
     from gradcomm.integrations.mpi import _plan
 
     comm = MPI.COMM_SELF
@@ -120,6 +124,12 @@ def test_buffer_specs_are_parsed_like_mpi4py(MPI: Any) -> None:
                      (MPI.IN_PLACE, [x, 7, MPI.DOUBLE], MPI.SUM), (MPI.IN_PLACE, x, MPI.LOR)]:
             assert _plan(MPI, comm, *args) is None, args
         assert isinstance(_plan(MPI, comm, MPI.IN_PLACE, ro, MPI.SUM), ConfigError)
+        # byte-swapped arrays (MPI would read them as native): refused, as mpi4py does
+        sw = np.arange(3.0).astype(np.dtype("f8").newbyteorder("S"))
+        for args in [(MPI.IN_PLACE, sw), (MPI.IN_PLACE, [sw, MPI.DOUBLE]),
+                     (sw, np.zeros(3)), (np.zeros(3), sw), (MPI.IN_PLACE, memoryview(sw))]:
+            got = _plan(MPI, comm, *args, MPI.SUM)
+            assert isinstance(got, BufferFormatError) and isinstance(got, BufferError), args
     finally:
         op.Free()
         pair.Free()

@@ -180,6 +180,17 @@ def main() -> int:
     except GradcommError as exc:
         res["mismatch"] = type(exc).__name__
 
+    # byte-swapped buffers (MPI would sum their bytes as native ones): BufferFormatError
+    # where they are passed, MismatchError on the other ranks, not garbage or a hang
+    swapped = np.dtype("f8").newbyteorder("S")
+    for name, rank_swaps in (("swapped_all", True), ("swapped_one", rank == 0)):
+        sb = np.arange(4.0) + rank
+        try:
+            comm.Allreduce(sb.astype(swapped) if rank_swaps else sb, np.zeros(4))
+            res[name] = "none raised"
+        except GradcommError as exc:
+            res[name] = type(exc).__name__
+
     # compressed sums (fp16: exact on these small integers), max stays dense
     if "fp16" in gradcomm.compressors.names():
         cc = wrap(world, algorithm="ring", compressor="fp16")

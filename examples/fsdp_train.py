@@ -54,6 +54,8 @@ def main() -> None:
     ap.add_argument("--ratio", type=float, help="kept fraction for topk / randomk")
     ap.add_argument("--algorithm", default="auto", choices=["auto", "alltoall", "ring"])
     ap.add_argument("--no-error-feedback", action="store_true")
+    ap.add_argument("--weights", choices=["int8"], default=None,
+                    help="also quantize the parameter all-gather (prototype, float32 CPU)")
     ap.add_argument("--reduce-dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--batch-size", type=int, default=32)
@@ -79,7 +81,7 @@ def main() -> None:
     compressor = None if args.compressor == "none" else args.compressor
     state = compress_fsdp(model, compressor, algorithm=args.algorithm,
                           error_feedback=not args.no_error_feedback, seed=args.seed,
-                          **options)
+                          weights=args.weights, **options)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
 

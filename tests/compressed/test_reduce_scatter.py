@@ -165,6 +165,27 @@ def test_alltoall_streams_large_segments_in_chunks(codec: str, opts: dict) -> No
                     refs[r].residual("w", n, np.float32).tobytes()
 
 
+def test_alltoall_with_an_absent_rank_gives_a_deadline() -> None:
+    """Rank 2 of 3 never joins a chunked all-to-all (2 chunks per segment): the others
+    raise DeadlineError after the wait deadline instead of hanging."""
+    import time
+
+    from gradcomm.errors import DeadlineError
+
+    n = 6_000_003                                  # fp16: 1 Mi elements per chunk
+
+    def fn(t):
+        if t.rank == 2:
+            return None
+        return compressed_reduce_scatter(t, _input(t.rank, n), "float32", op="sum",
+                                         algorithm="alltoall", compressor="fp16",
+                                         check=False)
+    began = time.monotonic()
+    with pytest.raises(DeadlineError):
+        run_ranks(3, fn, timeout=60, wait_timeout=2.0)
+    assert time.monotonic() - began < 40
+
+
 # -- bytes on the wire -------------------------------------------------------------------------
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("codec", ["fp16", "int8", "topk", "onebit"])

@@ -9,8 +9,10 @@ whose loss ends non-finite or above its starting loss is marked diverged.
 
 Variants as in ``bench/train.py`` (``ddp`` = DDP's built-in allreduce, the reference;
 ``gc-<codec>[:opt=v;...]`` = ``make_comm_hook(codec, **opts)``, ``ef=0`` turns error
-feedback off); every option after ``:`` goes to ``make_comm_hook``, so mechanisms are
-switched per variant (``gc-topk:ratio=0.01;start_iter=0``).
+feedback off, ``opt=1`` passes the optimizer, ``mc=0`` passes ``optimizer=None``: no
+momentum correction and no optimizer watch); every other option after ``:`` goes to
+``make_comm_hook``, so mechanisms are switched per variant
+(``gc-topk:ratio=0.01;start_iter=0``).
 
 Tasks: ``digits`` (scikit-learn's 8x8 digits, 360 test samples) and ``synthetic``
 (``make_classification``, 10 classes, 4800 test samples: one point is 48 samples).
@@ -91,6 +93,8 @@ def train_one(v: dict[str, Any], task: str, optim: str, data: Any, args: argpars
             kw["error_feedback"] = v["ef"]
         if kw.pop("opt", 0):
             kw["optimizer"] = opt
+        if not kw.pop("mc", 1):          # mc=0: no optimizer watch, no momentum correction
+            kw["optimizer"] = None
         state, hook = make_comm_hook(codec, algorithm=v["algorithm"], model=ddp, **kw)
         ddp.register_comm_hook(state, hook)
     elif v["kind"] != "ddp":
@@ -131,7 +135,7 @@ def train_one(v: dict[str, Any], task: str, optim: str, data: Any, args: argpars
                 evaluate(step)
         stats = dict(state.stats) if state is not None else {}
         if v["kind"] == "gc" and v["codec"] == "onebitadam":
-            stats = {"bytes_sent": opt.allreduce.transport.stats.bytes_sent,
+            stats = {"bytes_sent": opt.stats["bytes_sent"],
                      **opt.allreduce.guard.stats}
     finally:
         if state is not None:

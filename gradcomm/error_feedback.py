@@ -421,15 +421,18 @@ def contractive(codec: Any) -> bool:
     range), topk, randomk (not rescaled), onebit; QSGD when its variance bound
     ``min(d/s², √d/s) < 1`` (d = bucket size, s = levels; the default 512 / 127 gives
     0.03). Not: TernGrad (error up to ``max |v|`` per element), QSGD with few levels,
-    1-bit int8. Each codec declares it (``Compressor.contractive``; int8 and QSGD set it
+    1-bit int8. TernGrad still takes error feedback (``Compressor.feedback_stable``):
+    each element's error stays below its bucket's ``max |v|``, which is sent exactly,
+    and error feedback is measured to be what trains it with SGD (issue 13). Each codec
+    declares it (``Compressor.contractive``; int8 and QSGD set it
     from their options).
 
     Example:
         >>> from gradcomm import compressors
-        >>> contractive(compressors.get("topk")), contractive(compressors.get("terngrad"))
+        >>> contractive(compressors.get("topk")), contractive(compressors.get("int8", bits=1))
         (True, False)
     """
-    return bool(codec.contractive)
+    return bool(codec.contractive or codec.feedback_stable)
 
 
 def torch_safe_globals() -> list[Any]:

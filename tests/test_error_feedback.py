@@ -249,15 +249,17 @@ def test_error_feedback_makes_the_running_mean_converge() -> None:
 
 
 def test_error_feedback_refused_for_non_contractions() -> None:
-    """TernGrad (error up to max|v| per element) and QSGD with few levels would make the
-    residuals diverge: Allreduce says so and runs without them."""
+    """QSGD with few levels and 1-bit int8 would make the residuals diverge: Allreduce
+    says so and runs without them. TernGrad (not a contraction, but every element's error
+    below max|v|, the largest exact: ``feedback_stable``) takes error feedback."""
     assert not contractive(compressors.get("qsgd", levels=4))
     assert contractive(compressors.get("qsgd", levels=127))
-    for name, opts in (("terngrad", {}), ("qsgd", {"levels": 2})):
+    assert contractive(compressors.get("terngrad"))
+    for name, opts in (("int8", {"bits": 1}), ("qsgd", {"levels": 2})):
         with pytest.warns(ErrorFeedbackWarning, match="not applied"):
             ar = gradcomm.Allreduce(None, compressor=name, **opts)
         assert not ar.error_feedback.enabled
-    gradcomm.Allreduce(None, compressor="terngrad", error_feedback=False)   # silent
+    gradcomm.Allreduce(None, compressor="qsgd", levels=2, error_feedback=False)  # silent
 
 
 def test_residual_shape_change_through_allreduce() -> None:

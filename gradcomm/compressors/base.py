@@ -70,6 +70,10 @@ class Compressor(ABC):
     #: ``||x - decode(encode(x))|| < ||x||``: error feedback around it stays bounded
     #: (:func:`gradcomm.error_feedback.contractive`)
     contractive: bool = True
+    #: not a contraction, but error feedback around it is stable (each element's error is
+    #: bounded by its bucket's scale; measured): :func:`gradcomm.error_feedback.contractive`
+    #: applies error feedback to it
+    feedback_stable: ClassVar[bool] = False
     #: the decoded output is mostly zeros: gathered routes send (index, value) pairs
     sparse: ClassVar[bool] = False
     #: :meth:`to_sparse` gives a payload's (index, value) pairs without decoding it

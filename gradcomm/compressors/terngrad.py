@@ -3,6 +3,14 @@
 Per bucket ``v``: ``Q(v_i) = s * sign(v_i) * b_i`` with ``s = max |v|`` and ``b_i`` a
 Bernoulli draw of probability ``|v_i| / s``, so ``E[Q(v)] = v``. Wire: 2 bits per element
 (0, +1, -1) plus one float32 scale per bucket. Draws come from ``compress(x, seed=...)``.
+Error feedback applies (``feedback_stable``; it is not a contraction in norm: the error's
+expected square ``s·|v|_1 - |v|²`` exceeds ``|v|²`` for Gaussian buckets), because every
+element's error ``|Q(v)_i - v_i|`` is below ``s`` and the largest element is sent
+exactly. It is what trains SGD + momentum: without it TernGrad's variance
+(``s·|v_i|`` per element) diverged on digits and lost 13-47 points on a 10-class task
+(bench/RESULTS.md, issue 13); with it, within 0.6 points. The DDP hook turns it off when
+the optimizer it finds is not SGD (Adam's per-coordinate steps lose points to the released
+residual: :mod:`gradcomm.integrations.ddp.momentum`).
 A bucket holding NaN or +-inf decodes to NaN. (TernGrad's gradient clipping is left to the
 caller.)
 
@@ -34,8 +42,10 @@ class TernGradCompressor(Bucketed):
 
     name = "terngrad"
     reduction = "gathered"
-    #: an element's error reaches the bucket's largest magnitude: not a contraction
+    #: an element's error reaches the bucket's largest magnitude: not a contraction...
     contractive = False
+    #: ...but each stays below it and the largest is exact: error feedback applies
+    feedback_stable = True
     reuses_out = True
     fuses_feedback = True
     decodes_add = True

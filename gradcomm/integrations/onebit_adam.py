@@ -81,6 +81,9 @@ class OneBitAdam(torch.optim.Optimizer):
         self.dense = Allreduce(comm, op="mean")
         self.steps = 0
         self.hooked = False          # set by onebit_adam_hook: DDP averages the warm-up
+        #: ``bytes_sent`` by this optimizer's own reductions (a transport shared with
+        #: other users, such as torch's default group, counts theirs too)
+        self.stats = {"bytes_sent": 0}
 
     @property
     def compressing(self) -> bool:
@@ -144,7 +147,10 @@ class OneBitAdam(torch.optim.Optimizer):
         raise ConfigError("parameter not in any param group")
 
     def _reduce(self, ar: Allreduce, x: torch.Tensor, key: str = "default") -> torch.Tensor:
+        t = ar.transport
+        sent = t.stats.bytes_sent
         out = ar(x.cpu() if x.device.type != "cpu" else x, key=key)
+        self.stats["bytes_sent"] += t.stats.bytes_sent - sent
         return out.to(x.device)
 
     def state_dict(self) -> dict[str, Any]:

@@ -78,7 +78,7 @@ def test_contractive_codecs_shrink_the_input(name: str, opts: dict) -> None:
 def test_option_dependent_declarations() -> None:
     assert get("int8", bits=2).contractive and not get("int8", bits=1).contractive
     assert get("qsgd", levels=127).contractive and not get("qsgd", levels=4).contractive
-    assert not get("terngrad").contractive
+    assert not get("terngrad").contractive and get("terngrad").feedback_stable
     assert get("int8", scale=1.0).reduction == "summable" and get("int8").reduction == "gathered"
     assert get("powersgd", start_iter=3).start_iter == 3 and get("topk").start_iter == 0
     assert [n for n in names() if get(n).uses_shape] == ["powersgd"]

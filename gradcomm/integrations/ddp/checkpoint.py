@@ -34,16 +34,19 @@ from .residuals import ParameterResiduals, redistribute
 STATE_FORMAT, STATE_VERSION = "gradcomm.ddp_comm_hook", 1
 
 
-def collect(t: Transport, residuals: ParameterResiduals, rank0_only: bool
+def collect(t: Transport, residuals: ParameterResiduals, rank0_only: bool,
+            momentum: Mapping[str, Mapping[str, np.ndarray]] | None = None
             ) -> list[dict[str, Any]] | None:
-    """Every rank's residuals, units and offsets as ``state_dict()["ranks"]`` (torch
-    tensors); with ``rank0_only``, None on the ranks other than 0. Collective over ``t``."""
+    """Every rank's residuals, units and offsets (and ``momentum``'s groups: the velocity
+    of momentum correction) as ``state_dict()["ranks"]`` (torch tensors); with
+    ``rank0_only``, None on the ranks other than 0. Collective over ``t``."""
     from ...collectives import agree
     from ...collectives.allgather import allgatherv
     from ...collectives.gather import gatherv
 
     agree(t, "ddp_state_dict", rank0_only=rank0_only)
-    block = pack_local(*residuals.local_state())
+    groups, meta = residuals.local_state()
+    block = pack_local({**groups, **(momentum or {})}, meta)
     if t.size == 1:
         blocks = [block]
     elif rank0_only:
@@ -130,6 +133,37 @@ def restore(state: Mapping[str, Any], p_new: int, rank: int) -> ParameterResidua
     return redistribute(saved, p_new, rank)      # hops differ at another p: fold them first
 
 
+def restore_momentum(state: Mapping[str, Any], p_new: int, rank: int
+                     ) -> tuple[Mapping[str, Any], dict[str, np.ndarray],
+                                dict[str, np.ndarray]] | None:
+    """``(factors, velocity, previous)`` of momentum correction for rank ``rank`` of
+    ``p_new`` from a checked checkpoint ``state``, or None if it holds none. At the saved
+    rank count each rank takes its own velocity; at another, every rank takes the mean of
+    the saved ranks' (the velocity of the averaged update is kept, each rank's deviation
+    from it is not). ``previous`` (the reduced result) is the same on every rank: rank
+    0's."""
+    factors = state.get("momentum")
+    if factors is None:
+        return None
+    if not isinstance(factors, Mapping) or {"momentum", "optimizer_momentum",
+                                            "mask"} - set(factors):
+        raise ConfigError(f"malformed momentum factors in the state: {factors!r}")
+    ranks = state["ranks"]
+    saved = [{g: {str(k): np.array(_flat(v), copy=True)
+                  for k, v in entry.get(g, {}).items()} for g in ("velocity", "previous")}
+             for entry in ranks]
+    for r, groups in enumerate(saved):
+        for g, named in groups.items():
+            if any(v.dtype.kind != "f" for v in named.values()):
+                raise ConfigError(f"momentum {g} of rank {r} is not floating")
+    if len(ranks) == p_new:
+        return factors, saved[rank]["velocity"], saved[rank]["previous"]
+    velocity = {k: (sum(s["velocity"][k] for s in saved) / len(saved)).astype(v.dtype)
+                for k, v in saved[0]["velocity"].items()
+                if all(k in s["velocity"] and s["velocity"][k].size == v.size for s in saved)}
+    return factors, velocity, saved[0]["previous"]
+
+
 def residuals_of(entry: Mapping[str, Any], rank: int) -> ParameterResiduals:
     """One saved rank's residuals (``state_dict()["ranks"][rank]``)."""
     r = ParameterResiduals(True)
@@ -162,7 +196,7 @@ def _flat(v: Any) -> np.ndarray:
 # name, dtype, count], ...], "meta": {...}}, then the raw arrays in header order. No pickle.
 _MAX_STATE_HEADER = 1 << 26
 #: array groups of a rank's state and the dtype kinds each may hold
-_GROUPS = {"residuals": "f", "extra": "fiu"}
+_GROUPS = {"residuals": "f", "extra": "fiu", "velocity": "f", "previous": "f"}
 
 
 def pack_local(groups: Mapping[str, Mapping[str, np.ndarray]],
@@ -213,4 +247,5 @@ def unpack_local(block: np.ndarray, rank: int
 
 
 __all__ = ["STATE_FORMAT", "STATE_VERSION", "check_config", "collect", "pack_local", "residuals_of", "restore",
+           "restore_momentum",
            "unpack_local"]

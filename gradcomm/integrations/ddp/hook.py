@@ -32,7 +32,8 @@ from ...errors import ConfigError, GradcommError
 from . import checkpoint
 from . import lifecycle
 from .groups import resolve_transports
-from .momentum import momentum_correction
+from .momentum import (CORRECTED_CODECS, SGD_FEEDBACK_CODECS, MomentumCorrection,
+                       OptimizerWatch, feedback_with, found_momentum, momentum_correction)
 from .replay import Replay
 from .residuals import ParameterResiduals
 from .routes import Routes
@@ -60,7 +61,7 @@ class CommHookState:
                  transport: Any = None, start_iter: int = 0, model: Any = None,
                  seed: int = 0, timeout: float | None = None, guard: bool = True,
                  residual_bound: float | None = DEFAULT_BOUND, momentum: float | None = None,
-                 optimizer: Any = None, clip: float | None | str = "auto",
+                 optimizer: Any = "auto", clip: float | None | str = "auto",
                  **options: Any) -> None:
         if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
             raise ConfigError(f"start_iter must be an int >= 0, got {start_iter!r}")
@@ -77,11 +78,22 @@ class CommHookState:
         self.residuals = ParameterResiduals(self.error_feedback)
         if clip == "auto":
             clip = default_clip(self.compressor) if guard and self.error_feedback else None
+        c = self.compressor
+        #: finds the optimizer for momentum correction (``optimizer="auto"``), or None
+        self._watch: OptimizerWatch | None = None
+        if isinstance(optimizer, str):
+            if optimizer != "auto":
+                raise ConfigError(f"optimizer must be an optimizer, None or 'auto', got "
+                                  f"{optimizer!r}")
+            optimizer = None
+            if c is not None and c.lossy and (c.name in SGD_FEEDBACK_CODECS or (
+                    momentum is None and c.name in CORRECTED_CODECS)):
+                self._watch = OptimizerWatch(self, CommHookState._found_optimizer)
         self.routes = Routes(messages, self._transports.library, self.reduction,
                              self.residuals, guard=guard,
                              residual_bound=check_bound(residual_bound),
-                             momentum=momentum_correction(self.compressor, momentum,
-                                                          optimizer), clip=clip)
+                             momentum=momentum_correction(c, momentum, optimizer), clip=clip,
+                             stateful=self._watch is not None)
         self.iter = 0
         self._names: dict[int, str] | None = None
         self._position: dict[int, str] = {}
@@ -149,6 +161,26 @@ class CommHookState:
             keys.append(k)
         return keys
 
+    def _found_optimizer(self, optimizer: Any) -> None:
+        """The watch's callback (in ``optimizer.step()``, between iterations): turn on
+        momentum correction for ``optimizer`` unless a checkpoint already restored it, or
+        turn error feedback off (:data:`~.momentum.SGD_FEEDBACK_CODECS`)."""
+        c = self.compressor
+        mc = found_momentum(c, None, optimizer) if c.name in CORRECTED_CODECS else None
+        feedback = feedback_with(c, optimizer)
+
+        def apply() -> None:
+            if self.routes.momentum is None and mc is not None:
+                self.routes.momentum = mc
+            if not feedback:
+                self._feedback_off()
+        self._call(apply)
+
+    def _feedback_off(self) -> None:
+        """On the worker: stop error feedback and drop the residuals held so far."""
+        self.residuals.store.enabled = False
+        self.residuals._residuals.clear()
+
     # -- the worker --------------------------------------------------------------------------
     def _submit(self, task: Callable[[], None]) -> None:
         self._worker.submit(task)
@@ -170,6 +202,8 @@ class CommHookState:
         if self._closed:
             return
         self._closed = True
+        if self._watch is not None:
+            self._watch.remove()
         lifecycle.forget(self)
         self._worker.close()
         for t in self._transports.own_transports:
@@ -325,7 +359,9 @@ class CommHookState:
 
     def _state_dict(self, rank0_only: bool) -> dict[str, Any]:
         t = self.transport
-        ranks = checkpoint.collect(t, self.residuals, rank0_only)
+        mc = self.routes.momentum
+        ranks = checkpoint.collect(t, self.residuals, rank0_only,
+                                   None if mc is None else mc.local_state())
         if ranks is None:
             return {}
         return {
@@ -334,6 +370,8 @@ class CommHookState:
             "iter": self.iter, "world_size": t.size,
             "layout": [list(u) for u in self._layout],
             "ranks": ranks,
+            "momentum": None if mc is None else mc.config(),
+            "feedback": self.residuals.enabled,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -349,10 +387,18 @@ class CommHookState:
         """
         checkpoint.check_config(state, self.config())
         restored = checkpoint.restore(state, self.transport.size, self.transport.rank)
+        velocity = checkpoint.restore_momentum(state, self.transport.size,
+                                               self.transport.rank)
         layout = [list(map(str, u)) for u in state.get("layout", [])]
 
         def apply() -> None:
             self.residuals.restore(restored)
+            if velocity is not None:
+                self._restore_momentum(*velocity)
+            if not state.get("feedback", True) and self._watch is not None and \
+                    self.compressor.name in SGD_FEEDBACK_CODECS:
+                self._watch.remove()         # the saved run had found its optimizer
+                self._feedback_off()
             self.iter = int(state["iter"])
             self.routes.checked.clear()
             self._replay = None
@@ -363,6 +409,22 @@ class CommHookState:
                     warnings.warn("the checkpoint's bucket layout names parameters the bound "
                                   "model does not have; not replaying it", stacklevel=3)
         self._call(apply)
+
+    def _restore_momentum(self, factors: Mapping[str, Any], velocity: Any,
+                          previous: Any) -> None:
+        """On the worker: a checkpoint's momentum correction into this hook (made from its
+        factors if the hook is still watching for the optimizer)."""
+        mc = self.routes.momentum
+        if mc is None and self._watch is not None:
+            self._watch.remove()
+            mc = self.routes.momentum = MomentumCorrection(
+                float(factors["momentum"]), float(factors["optimizer_momentum"]),
+                mask=bool(factors["mask"]))
+        if mc is None:
+            warnings.warn("the checkpoint holds a momentum-correction velocity; this hook "
+                          "corrects no momentum (optimizer=None): ignored", stacklevel=4)
+            return
+        mc.load(velocity, previous)
 
     def __repr__(self) -> str:
         return (f"CommHookState(compressor={self.compressor!r}, algorithm={self.algorithm!r}, "
@@ -447,6 +509,8 @@ def comm_hook(state: CommHookState, bucket):  # type: ignore[no-untyped-def]
     fut: Any = torch.futures.Future()
     params = bucket.parameters()
     keys = state._keys(params)
+    if state._watch is not None and state._watch.watching:
+        state._watch.params.update(id(p) for p in params)
     lengths = [int(p.numel()) for p in params]
     shapes = state.residuals.shapes              # matrix views for PowerSGD
     for k, p in zip(keys, params):

@@ -16,9 +16,16 @@ hands DDP ``D_t − m·D_{t−1}``: SGD's buffer ``b_t = m·b_{t−1} + d_t`` is
 still goes through SGD's momentum, as without compression). With ``momentum=m`` and no
 optimizer the hook's output is ``D_t`` itself: use SGD without momentum.
 
+**Found by default.** ``make_comm_hook(name)`` (``optimizer="auto"``) watches
+``optimizer.step()`` through torch's global step pre-hook (:class:`OptimizerWatch`): the
+first optimizer that steps the hook's parameters is taken as if passed, and the correction
+starts with the next backward pass (the first one goes uncorrected); ``optimizer=None``
+turns the watch off.
+
 State per parameter (``u`` and ``D_{t−1}``), kept per rank; the divergence guard resets
-it with the residuals. It is not in the hook's ``state_dict`` yet: a resumed run starts
-the velocity from zero (not bitwise equal to the unbroken run).
+it with the residuals. It is in the hook's ``state_dict`` (groups ``velocity`` and
+``previous`` of every rank, and the factors under ``"momentum"``), so a resumed run is
+bitwise the unbroken one.
 
 Example:
     >>> import numpy as np
@@ -37,7 +44,10 @@ Example:
 from __future__ import annotations
 
 import warnings
-from typing import Any, Sequence
+import weakref
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
 
 from ... import arrays
 from ...errors import ConfigError
@@ -48,6 +58,10 @@ MASKED_CODECS = ("topk", "randomk")
 #: whose error feedback holds mass back for many steps (measured in bench/converge.py;
 #: the others' errors are small and fresh: fp16, bf16, int8, qsgd, terngrad, powersgd)
 CORRECTED_CODECS = ("topk", "randomk", "onebit")
+#: codecs whose error feedback the hook turns off when the optimizer it finds is not SGD:
+#: TernGrad's residual, released at the block's scale, trains SGD + momentum (without it
+#: TernGrad diverges) but costs Adam's per-coordinate steps (bench/RESULTS.md, issue 13)
+SGD_FEEDBACK_CODECS = ("terngrad",)
 
 
 def optimizer_momentum(optimizer: Any) -> float:
@@ -144,6 +158,22 @@ class MomentumCorrection:
                     o -= self.undo * prev
                 self._previous[k] = now
 
+    def config(self) -> dict[str, Any]:
+        """The factors, as ``state_dict()["momentum"]`` holds them."""
+        return {"momentum": self.momentum, "optimizer_momentum": self.undo,
+                "mask": self.mask}
+
+    def local_state(self) -> dict[str, dict[str, np.ndarray]]:
+        """This rank's ``{"velocity": {key: u}, "previous": {key: D_prev}}`` on the host."""
+        return {"velocity": {k: arrays.host(v) for k, v in self._velocity.items()},
+                "previous": {k: arrays.host(v) for k, v in self._previous.items()}}
+
+    def load(self, velocity: Mapping[str, np.ndarray],
+             previous: Mapping[str, np.ndarray]) -> None:
+        """Take a checkpoint's state (host arrays; a device bucket restarts from zero)."""
+        self._velocity = {k: np.array(v, copy=True) for k, v in velocity.items()}
+        self._previous = {k: np.array(v, copy=True) for k, v in previous.items()}
+
     def reset(self, keys: Sequence[str]) -> None:
         """Forget the velocity and previous result of ``keys`` (the guard's reset)."""
         for k in keys:
@@ -151,4 +181,63 @@ class MomentumCorrection:
             self._previous.pop(k, None)
 
 
-__all__ = ["CORRECTED_CODECS", "MASKED_CODECS", "MomentumCorrection", "momentum_correction", "optimizer_momentum"]
+class OptimizerWatch:
+    """Finds the optimizer that steps parameters the hook reduced (``optimizer="auto"``).
+
+    Holds a torch global optimizer step pre-hook until the first ``step()`` of an
+    optimizer holding one of ``params`` (ids of parameters seen in buckets), then calls
+    ``found(optimizer)`` once and removes the hook. Holds ``owner`` weakly: a dropped hook
+    state stops the watch.
+    """
+
+    def __init__(self, owner: Any, found: Callable[[Any, Any], None]) -> None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        #: ids of the parameters the hook has reduced (comm_hook adds them)
+        self.params: set[int] = set()
+        ref = weakref.ref(owner)
+
+        def pre_step(opt: Any, args: Any, kwargs: Any) -> None:
+            state = ref()
+            if state is None:
+                self.remove()
+            elif any(id(p) in self.params for g in opt.param_groups for p in g["params"]):
+                self.remove()
+                found(state, opt)
+
+        self._handle: Any = register_optimizer_step_pre_hook(pre_step)
+
+    @property
+    def watching(self) -> bool:
+        """Whether the step pre-hook is still installed."""
+        return self._handle is not None
+
+    def remove(self) -> None:
+        """Uninstall the step pre-hook (idempotent)."""
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+
+def feedback_with(codec: Any, optimizer: Any) -> bool:
+    """Whether error feedback stays on for ``codec`` once the hook found ``optimizer``."""
+    import torch
+
+    return codec.name not in SGD_FEEDBACK_CODECS or isinstance(optimizer, torch.optim.SGD)
+
+
+def found_momentum(codec: Any, momentum: float | None,
+                   optimizer: Any) -> MomentumCorrection | None:
+    """:func:`momentum_correction` for an optimizer the watch found: an optimizer whose
+    momentum the hook cannot undo warns (momentum correction stays off) instead of
+    raising inside ``optimizer.step()``."""
+    try:
+        return momentum_correction(codec, momentum, optimizer)
+    except ConfigError as exc:
+        warnings.warn(f"make_comm_hook: momentum correction stays off: {exc}", UserWarning,
+                      stacklevel=4)
+        return None
+
+
+__all__ = ["CORRECTED_CODECS", "MASKED_CODECS", "MomentumCorrection", "OptimizerWatch",
+           "SGD_FEEDBACK_CODECS", "feedback_with", "found_momentum", "momentum_correction", "optimizer_momentum"]

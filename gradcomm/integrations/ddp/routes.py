@@ -86,19 +86,21 @@ class Routes:
     process group (NCCL), is that group, whose allreduce sums uncompressed device buckets
     in place. ``stats``: ``buckets`` reduced, ``bytes_sent`` by gradcomm's own messages,
     ``native_nbytes`` handed to the library's allreduce and ``comm_seconds`` spent.
+    ``stateful``: keep the guard even without residuals (momentum correction may be set
+    as ``momentum`` later, when the hook finds the optimizer).
     """
 
     def __init__(self, transport: Transport, library: Transport | None, reduction: Reduction,
                  residuals: ParameterResiduals, *, guard: bool = True,
                  residual_bound: float | None = DEFAULT_BOUND,
                  momentum: MomentumCorrection | None = None,
-                 clip: float | None = None) -> None:
+                 clip: float | None = None, stateful: bool = False) -> None:
         self.transport, self.library = transport, library
         self.compressor, self.algorithm = reduction.compressor, reduction.algorithm
         self.seed = int(reduction.seed or 0)
         self.residuals = residuals
         self.stats = {"buckets": 0, "bytes_sent": 0, "native_nbytes": 0, "comm_seconds": 0.0}
-        stateful = residuals.enabled or momentum is not None or (
+        stateful = stateful or residuals.enabled or momentum is not None or (
             self.compressor is not None and self.compressor.name == "powersgd")
         if clip is not None and not (guard and stateful):
             raise ConfigError("clip= needs the guard (guard=True) and error feedback: it "

@@ -68,6 +68,8 @@ def train(codec, options: dict, steps: int, lr: float = 0.1, nan_step: int = -1,
     options = dict(options)
     if options.pop("opt", False):
         options["optimizer"] = opt
+    if not options.pop("mc", True):                      # no watch, no momentum correction
+        options["optimizer"] = None
     if "ef" in options:
         options["error_feedback"] = bool(options.pop("ef"))
     state, hook = make_comm_hook(codec, model=ddp, **options)

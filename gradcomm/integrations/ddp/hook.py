@@ -32,8 +32,8 @@ from ...errors import ConfigError, GradcommError
 from . import checkpoint
 from . import lifecycle
 from .groups import resolve_transports
-from .momentum import (CORRECTED_CODECS, SGD_FEEDBACK_CODECS, MomentumCorrection,
-                       OptimizerWatch, feedback_with, found_momentum, momentum_correction)
+from .momentum import (CORRECTED_CODECS, SGD_FEEDBACK_CODECS, OptimizerWatch, feedback_with,
+                       found_momentum, momentum_correction, restored)
 from .replay import Replay
 from .residuals import ParameterResiduals
 from .routes import Routes
@@ -412,19 +412,11 @@ class CommHookState:
 
     def _restore_momentum(self, factors: Mapping[str, Any], velocity: Any,
                           previous: Any) -> None:
-        """On the worker: a checkpoint's momentum correction into this hook (made from its
-        factors if the hook is still watching for the optimizer)."""
-        mc = self.routes.momentum
-        if mc is None and self._watch is not None:
-            self._watch.remove()
-            mc = self.routes.momentum = MomentumCorrection(
-                float(factors["momentum"]), float(factors["optimizer_momentum"]),
-                mask=bool(factors["mask"]))
-        if mc is None:
-            warnings.warn("the checkpoint holds a momentum-correction velocity; this hook "
-                          "corrects no momentum (optimizer=None): ignored", stacklevel=4)
-            return
-        mc.load(velocity, previous)
+        """On the worker: a checkpoint's momentum correction into this hook."""
+        if self.routes.momentum is None and self._watch is not None:
+            self._watch.remove()             # the saved run had found its optimizer
+        self.routes.momentum = restored(self.routes.momentum, self._watch is not None,
+                                        factors, velocity, previous)
 
     def __repr__(self) -> str:
         return (f"CommHookState(compressor={self.compressor!r}, algorithm={self.algorithm!r}, "
@@ -451,7 +443,10 @@ def make_comm_hook(compressor: Any = None, *, algorithm: str = "auto",
             gradcomm Transport.
         start_iter: backward passes to run uncompressed first.
         model: the DDP model (or its module), to name residuals after its parameters.
-        optimizer: the training's optimizer. A ``torch.optim.SGD`` with momentum turns
+        optimizer: the training's optimizer; ``"auto"`` (default): the hook finds it
+            at its first ``step()`` (torch's global step pre-hook; the first backward
+            pass goes uncorrected); None: no optimizer, no watch. A
+            ``torch.optim.SGD`` with momentum turns
             on **momentum correction** (:mod:`.momentum`, DGC) for ``topk``, ``randomk``
             and ``onebit``: the hook compresses each rank's velocity instead of its
             gradient and undoes SGD's own momentum on the result, so ``SGD(momentum=m)``
@@ -460,7 +455,9 @@ def make_comm_hook(compressor: Any = None, *, algorithm: str = "auto",
             updates (top-k 1 % loses 2-6 points, random-k diverges; bench/RESULTS.md).
             Other codecs' errors are small and fresh: not applied. Adam cannot be
             corrected (a warning says so): use
-            :class:`gradcomm.integrations.onebit_adam.OneBitAdam`.
+            :class:`gradcomm.integrations.onebit_adam.OneBitAdam`. ``terngrad`` keeps
+            error feedback with SGD (it diverges without) and drops it for any other
+            optimizer (Adam loses points to it).
         momentum: hook-side momentum correction without ``optimizer``: the hook keeps
             the velocity (factor ``momentum``) and returns the reduced velocity; use it
             with momentum-free SGD.
@@ -481,9 +478,10 @@ def make_comm_hook(compressor: Any = None, *, algorithm: str = "auto",
         options: codec options, plus ``seed`` (stochastic codecs) and ``timeout``
             (seconds per blocking wait).
 
-    Convergence (bench/converge.py, bench/RESULTS.md): pass ``optimizer=`` for topk,
-    randomk and onebit; ``start_iter`` (a few hundred steps) helps top-k 0.1 %; with
-    AdamW use :class:`~gradcomm.integrations.onebit_adam.OneBitAdam`.
+    Convergence (bench/converge.py, bench/RESULTS.md): the defaults find the optimizer
+    (momentum correction for topk, randomk and onebit with SGD; TernGrad's error feedback
+    with SGD only); ``start_iter`` (a few hundred steps) helps top-k 0.1 %; with AdamW use
+    :class:`~gradcomm.integrations.onebit_adam.OneBitAdam`.
 
     See the module docstring for the steps, checkpoints and parity.
     """

@@ -219,6 +219,23 @@ class OptimizerWatch:
             self._handle = None
 
 
+def restored(mc: MomentumCorrection | None, watching: bool, factors: Mapping[str, Any],
+             velocity: Mapping[str, np.ndarray], previous: Mapping[str, np.ndarray]
+             ) -> MomentumCorrection | None:
+    """The hook's momentum correction after loading a checkpoint's: ``mc`` with the saved
+    state, or one made from the saved ``factors`` if the hook was still ``watching`` for
+    its optimizer; a hook with neither (``optimizer=None``) warns and ignores it."""
+    if mc is None and watching:
+        mc = MomentumCorrection(float(factors["momentum"]),
+                                float(factors["optimizer_momentum"]), mask=bool(factors["mask"]))
+    if mc is None:
+        warnings.warn("the checkpoint holds a momentum-correction velocity; this hook "
+                      "corrects no momentum (optimizer=None): ignored", stacklevel=5)
+        return None
+    mc.load(velocity, previous)
+    return mc
+
+
 def feedback_with(codec: Any, optimizer: Any) -> bool:
     """Whether error feedback stays on for ``codec`` once the hook found ``optimizer``."""
     import torch
@@ -240,4 +257,5 @@ def found_momentum(codec: Any, momentum: float | None,
 
 
 __all__ = ["CORRECTED_CODECS", "MASKED_CODECS", "MomentumCorrection", "OptimizerWatch",
-           "SGD_FEEDBACK_CODECS", "feedback_with", "found_momentum", "momentum_correction", "optimizer_momentum"]
+           "SGD_FEEDBACK_CODECS", "feedback_with", "found_momentum", "momentum_correction",
+           "optimizer_momentum", "restored"]

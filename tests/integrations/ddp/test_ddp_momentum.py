@@ -1,0 +1,61 @@
+"""What the hook does once it finds the optimizer (``optimizer="auto"``, the default).
+
+The watch is torch's global optimizer step pre-hook: the first ``step()`` of an optimizer
+holding a parameter the hook reduced decides momentum correction (topk, randomk, onebit
+with SGD) and TernGrad's error feedback (kept with SGD, dropped with anything else).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from gradcomm.comm import run_ranks  # noqa: E402
+from gradcomm.integrations.ddp import make_comm_hook  # noqa: E402
+
+
+def _found(codec: str, make_opt, watched: bool = True, **kw):
+    def fn(t):
+        w = torch.nn.Parameter(torch.ones(4))
+        other = torch.nn.Parameter(torch.ones(4))
+        state, _ = make_comm_hook(codec, transport=t, **kw)
+        try:
+            if state._watch is not None and watched:
+                state._watch.params.add(id(w))       # comm_hook adds a bucket's params
+            for p in (w, other):
+                p.grad = torch.ones(4)
+            torch.optim.SGD([other], lr=0.1, momentum=0.9).step()   # not the hook's
+            before = state.routes.momentum
+            make_opt([w]).step()
+            mc = state.routes.momentum
+            return (before is None, None if mc is None else (mc.momentum, mc.undo),
+                    state.residuals.enabled,
+                    state._watch is not None and state._watch.watching)
+        finally:
+            state.close()
+    return run_ranks(1, fn, timeout=30)[0]
+
+
+def test_sgd_turns_on_momentum_correction_for_the_sparsifiers_and_onebit():
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)   # noqa: E731
+    for codec in ("topk", "randomk", "onebit"):
+        assert _found(codec, sgd) == (True, (0.9, 0.9), True, False), codec
+    assert _found("int8", sgd) == (True, None, True, False)      # no watch at all
+    assert _found("topk", sgd, optimizer=None) == (True, None, True, False)
+    assert _found("topk", sgd, watched=False) == (True, None, True, True)   # still waits
+
+
+def test_terngrad_keeps_error_feedback_with_sgd_only():
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)   # noqa: E731
+    adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-3)             # noqa: E731
+    assert _found("terngrad", sgd) == (True, None, True, False)
+    assert _found("terngrad", adamw) == (True, None, False, False)
+    with pytest.warns(UserWarning, match="not AdamW"):
+        assert _found("topk", adamw) == (True, None, True, False)
+
+
+def test_an_optimizer_the_hook_cannot_undo_warns_inside_step():
+    nesterov = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True)  # noqa
+    with pytest.warns(UserWarning, match="stays off"):
+        assert _found("topk", nesterov) == (True, None, True, False)

@@ -32,12 +32,32 @@ from ...errors import ConfigError, GradcommError
 from . import checkpoint
 from . import lifecycle
 from .groups import resolve_transports
-from .momentum import (CORRECTED_CODECS, SGD_FEEDBACK_CODECS, OptimizerWatch, feedback_with,
+from .momentum import (CORRECTED_CODECS, MASKED_CODECS, SGD_FEEDBACK_CODECS, OptimizerWatch, feedback_with,
                        found_momentum, momentum_correction, restored)
 from .replay import Replay
 from .residuals import ParameterResiduals
 from .routes import Routes
 from .worker import Worker
+
+
+#: dense backward passes that ``start_iter="auto"`` runs first for a sparsifier below 1 %
+#: (measured in bench/converge.py: bench/RESULTS.md, issue 13)
+SPARSE_WARMUP = 100
+
+
+def default_start_iter(codec: Any) -> int:
+    """``start_iter="auto"``: :data:`SPARSE_WARMUP` for topk or randomk with a ratio
+    below 1 % (top-k 0.1 % loses points from the first steps' stale residuals), else 0.
+
+    Example:
+        >>> from gradcomm import compressors
+        >>> default_start_iter(compressors.get("topk", ratio=0.001)), \\
+        ...     default_start_iter(compressors.get("topk"))
+        (100, 0)
+    """
+    if codec is None or codec.name not in MASKED_CODECS:      # the sparsifiers
+        return 0
+    return SPARSE_WARMUP if float(codec.get_config().get("ratio", 1.0)) < 0.01 else 0
 
 
 class UnboundModelWarning(UserWarning):
@@ -58,18 +78,20 @@ class CommHookState:
 
     def __init__(self, compressor: Any = None, *, algorithm: str = "auto",
                  error_feedback: bool = True, process_group: Any = None,
-                 transport: Any = None, start_iter: int = 0, model: Any = None,
+                 transport: Any = None, start_iter: int | str = "auto", model: Any = None,
                  seed: int = 0, timeout: float | None = None, guard: bool = True,
                  residual_bound: float | None = DEFAULT_BOUND, momentum: float | None = None,
                  optimizer: Any = "auto", clip: float | None | str = "auto",
                  **options: Any) -> None:
-        if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
-            raise ConfigError(f"start_iter must be an int >= 0, got {start_iter!r}")
         #: the validated configuration (the same checks and words as Allreduce and wrap)
         self.reduction = Reduction.configure(
             algorithm=algorithm, compressor=compressor, options=options, seed=seed,
             check_algorithm=True, lossless_dense=True)
         self.compressor = self.reduction.compressor
+        if start_iter == "auto":
+            start_iter = default_start_iter(self.compressor)
+        if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
+            raise ConfigError(f"start_iter must be an int >= 0 or 'auto', got {start_iter!r}")
         self.algorithm, self.start_iter = algorithm, start_iter
         self.seed = int(self.reduction.seed or 0)
         self.error_feedback = bool(error_feedback)
@@ -426,7 +448,7 @@ class CommHookState:
 
 def make_comm_hook(compressor: Any = None, *, algorithm: str = "auto",
                    error_feedback: bool = True, process_group: Any = None,
-                   transport: Any = None, start_iter: int = 0, model: Any = None,
+                   transport: Any = None, start_iter: int | str = "auto", model: Any = None,
                    **options: Any) -> tuple[CommHookState, Callable[..., Any]]:
     """``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``.
 
@@ -441,7 +463,9 @@ def make_comm_hook(compressor: Any = None, *, algorithm: str = "auto",
         transport: None (point-to-point over ``process_group``), ``"mpi"``
             (``MPI.COMM_WORLD``, for jobs started with mpirun), an mpi4py communicator or a
             gradcomm Transport.
-        start_iter: backward passes to run uncompressed first.
+        start_iter: backward passes to run uncompressed first; ``"auto"``:
+            :data:`SPARSE_WARMUP` (100) for topk and randomk below 1 % (DGC's warm-up,
+            as dense steps: they cost 100 dense steps' bytes), else 0.
         model: the DDP model (or its module), to name residuals after its parameters.
         optimizer: the training's optimizer; ``"auto"`` (default): the hook finds it
             at its first ``step()`` (torch's global step pre-hook; the first backward
@@ -531,4 +555,5 @@ def comm_hook(state: CommHookState, bucket):  # type: ignore[no-untyped-def]
     return fut
 
 
-__all__ = ["CommHookState", "UnboundModelWarning", "comm_hook", "make_comm_hook"]
+__all__ = ["CommHookState", "SPARSE_WARMUP", "UnboundModelWarning", "comm_hook",
+           "default_start_iter", "make_comm_hook"]

@@ -100,6 +100,21 @@ def one_rank(fn):
     return run_ranks(1, fn, timeout=30)[0]
 
 
+def test_sparsifiers_below_one_percent_warm_up_dense_by_default():
+    def fn(t):
+        got = []
+        for codec, kw in (("topk", {"ratio": 0.001}), ("randomk", {"ratio": 0.005}),
+                          ("topk", {}), ("onebit", {}), (None, {}),
+                          ("topk", {"ratio": 0.001, "start_iter": 0})):
+            state, _ = ddp.make_comm_hook(codec, transport=t, **kw)
+            got.append(state.start_iter)
+            state.close()
+        with pytest.raises(ConfigError, match="start_iter"):
+            ddp.make_comm_hook("topk", start_iter="later", transport=t)
+        return got
+    assert one_rank(fn) == [100, 100, 0, 0, 0, 0]
+
+
 def test_arguments_are_validated_early():
     def fn(t):
         with pytest.raises(ConfigError, match="unknown algorithm"):

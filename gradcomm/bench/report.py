@@ -161,11 +161,13 @@ class Printer:
 
 def add_compression_ratios(rows: Sequence[Row]) -> None:
     """``extra["compression_ratio"]`` of each compressed row: wire bytes of the dense row
-    of the same algorithm, size and check setting over the compressed row's."""
+    of the same algorithm, size and check setting over the compressed row's (the
+    reduce-scatter's ``alltoall``, a compressed route only: the dense ring's)."""
     dense = {(r.size, r.algorithm, r.check): r.wire_bytes for r in rows
              if r.compressor is None and r.wire_bytes}
     for r in rows:
-        ref = dense.get((r.size, r.algorithm, r.check))
+        alg = "ring" if r.algorithm == "alltoall" else r.algorithm
+        ref = dense.get((r.size, alg, r.check))
         if r.compressor is not None and ref and r.wire_bytes:
             r.extra["compression_ratio"] = ref / r.wire_bytes
 

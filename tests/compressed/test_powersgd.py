@@ -429,7 +429,8 @@ def ddp_against_torch(steps: int, start: int, rank: int) -> dict[str, Any]:
     for st in states:
         st.close()
     m = DDP(copy.deepcopy(base))
-    state, hook = make_comm_hook("powersgd", rank=rank, model=m, algorithm="recursive_doubling")
+    state, hook = make_comm_hook("powersgd", rank=rank, model=m, algorithm="recursive_doubling",
+                                 start_iter=0)
     m.register_comm_hook(state, hook)
     opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
     for s in range(4):

@@ -13,8 +13,9 @@ timed: these are about where training ends, not how fast.
   of ``make_comm_hook(name)`` (nothing passed: the hook finds the SGD optimizer at its
   first ``step()`` and turns on momentum correction for topk, randomk and onebit, and
   keeps TernGrad's error feedback) ends within ``TIGHT`` = 0.05 of the uncompressed loss
-  (fp16, bf16, int8, qsgd, terngrad, top-k 1 %) or ``LOOSE`` = 0.2 (powersgd rank 1,
-  onebit: measured 0.09, 0.07 above), except random-k 1 %, which is only required not to diverge (it updates each
+  (fp16, bf16, int8, qsgd, terngrad, top-k 1 %, powersgd: rank 4 after 50 dense steps,
+  0.02 above; rank 1 from the start was 0.09 above) or ``LOOSE`` = 0.2 (onebit: 0.07
+  above), except random-k 1 %, which is only required not to diverge (it updates each
   coordinate about once per 100 steps: 120 steps cannot train it; see bench/RESULTS.md);
   onebit, randomk and topk without momentum correction (``mc=0``: ``optimizer=None``) do
   not diverge either; top-k with error feedback beats top-k without, and top-k's
@@ -38,7 +39,7 @@ CHECKS = Path(__file__).parent / "scripts" / "converge_checks.py"
 #: final loss (cross-entropy on the whole task) at most this above the uncompressed one
 TIGHT, LOOSE = 0.05, 0.2
 CLOSE = {"fp16": TIGHT, "bf16": TIGHT, "int8": TIGHT, "qsgd": TIGHT, "topk": TIGHT,
-         "terngrad": TIGHT, "powersgd": LOOSE, "onebit": LOOSE}
+         "terngrad": TIGHT, "powersgd": TIGHT, "onebit": LOOSE}
 CODECS = ("fp16", "bf16", "int8", "qsgd", "terngrad", "powersgd", "topk", "onebit",
           "topk:ef=0", "randomk", "randomk:mc=0", "onebit:mc=0", "topk:mc=0", "terngrad:ef=0")
 

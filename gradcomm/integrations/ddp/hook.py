@@ -43,11 +43,16 @@ from .worker import Worker
 #: dense backward passes that ``start_iter="auto"`` runs first for a sparsifier below 1 %
 #: (measured in bench/converge.py: bench/RESULTS.md, issue 13)
 SPARSE_WARMUP = 100
+#: ``make_comm_hook("powersgd")``'s rank, and its dense warm-up under ``start_iter="auto"``
+#: (rank 1, the codec's default, lost 7.6-8.2 points on a 10-class task; rank 4 after 50
+#: dense steps 0.7-1.3: bench/RESULTS.md, issue 13)
+POWERSGD_RANK, POWERSGD_WARMUP = 4, 50
 
 
 def default_start_iter(codec: Any) -> int:
     """``start_iter="auto"``: :data:`SPARSE_WARMUP` for topk or randomk with a ratio
-    below 1 % (top-k 0.1 % loses points from the first steps' stale residuals), else 0.
+    below 1 % (top-k 0.1 % loses points from the first steps' stale residuals),
+    :data:`POWERSGD_WARMUP` for PowerSGD, else 0.
 
     Example:
         >>> from gradcomm import compressors
@@ -55,6 +60,8 @@ def default_start_iter(codec: Any) -> int:
         ...     default_start_iter(compressors.get("topk"))
         (100, 0)
     """
+    if codec is not None and codec.name == "powersgd":
+        return POWERSGD_WARMUP
     if codec is None or codec.name not in MASKED_CODECS:      # the sparsifiers
         return 0
     return SPARSE_WARMUP if float(codec.get_config().get("ratio", 1.0)) < 0.01 else 0
@@ -83,6 +90,8 @@ class CommHookState:
                  residual_bound: float | None = DEFAULT_BOUND, momentum: float | None = None,
                  optimizer: Any = "auto", clip: float | None | str = "auto",
                  **options: Any) -> None:
+        if compressor == "powersgd" and "rank" not in options:
+            options = {**options, "rank": POWERSGD_RANK}
         #: the validated configuration (the same checks and words as Allreduce and wrap)
         self.reduction = Reduction.configure(
             algorithm=algorithm, compressor=compressor, options=options, seed=seed,
@@ -454,7 +463,8 @@ def make_comm_hook(compressor: Any = None, *, algorithm: str = "auto",
 
     Args:
         compressor: None (plain averaging), a codec name with its options in
-            ``**options`` (e.g. ``ratio=0.01``), or a Compressor.
+            ``**options`` (e.g. ``ratio=0.01``), or a Compressor. ``"powersgd"``
+            without ``rank=`` gets rank :data:`POWERSGD_RANK` (4) here, not the codec's 1.
         algorithm: any gradcomm allreduce algorithm the compressor composes with.
         error_feedback: keep per-parameter residuals of the compression error.
         process_group: DDP's process group (default: the default group). For an NCCL
@@ -465,7 +475,8 @@ def make_comm_hook(compressor: Any = None, *, algorithm: str = "auto",
             gradcomm Transport.
         start_iter: backward passes to run uncompressed first; ``"auto"``:
             :data:`SPARSE_WARMUP` (100) for topk and randomk below 1 % (DGC's warm-up,
-            as dense steps: they cost 100 dense steps' bytes), else 0.
+            as dense steps: they cost 100 dense steps' bytes), 50 for ``powersgd``,
+            else 0.
         model: the DDP model (or its module), to name residuals after its parameters.
         optimizer: the training's optimizer; ``"auto"`` (default): the hook finds it
             at its first ``step()`` (torch's global step pre-hook; the first backward
@@ -555,5 +566,5 @@ def comm_hook(state: CommHookState, bucket):  # type: ignore[no-untyped-def]
     return fut
 
 
-__all__ = ["CommHookState", "SPARSE_WARMUP", "UnboundModelWarning", "comm_hook",
+__all__ = ["CommHookState", "POWERSGD_RANK", "POWERSGD_WARMUP", "SPARSE_WARMUP", "UnboundModelWarning", "comm_hook",
            "default_start_iter", "make_comm_hook"]

@@ -100,19 +100,22 @@ def one_rank(fn):
     return run_ranks(1, fn, timeout=30)[0]
 
 
-def test_sparsifiers_below_one_percent_warm_up_dense_by_default():
+def test_sparsifiers_below_one_percent_and_powersgd_warm_up_dense_by_default():
     def fn(t):
         got = []
         for codec, kw in (("topk", {"ratio": 0.001}), ("randomk", {"ratio": 0.005}),
                           ("topk", {}), ("onebit", {}), (None, {}),
-                          ("topk", {"ratio": 0.001, "start_iter": 0})):
+                          ("topk", {"ratio": 0.001, "start_iter": 0}), ("powersgd", {}),
+                          ("powersgd", {"rank": 1, "start_iter": 0})):
             state, _ = ddp.make_comm_hook(codec, transport=t, **kw)
-            got.append(state.start_iter)
+            c = state.compressor
+            got.append((state.start_iter, c.get_config()["rank"]) if codec == "powersgd"
+                       else state.start_iter)
             state.close()
         with pytest.raises(ConfigError, match="start_iter"):
             ddp.make_comm_hook("topk", start_iter="later", transport=t)
         return got
-    assert one_rank(fn) == [100, 100, 0, 0, 0, 0]
+    assert one_rank(fn) == [100, 100, 0, 0, 0, 0, (50, 4), (0, 1)]
 
 
 def test_arguments_are_validated_early():
@@ -328,6 +331,7 @@ def test_powersgd_hook_uses_shapes_runs_on_native_and_counts_its_bytes():
     def fn(t, algorithm):
         model = _psgd_model()
         state, _ = ddp.make_comm_hook("powersgd", rank=2, algorithm=algorithm, transport=t,
+                                      start_iter=0,
                                       model=model)
         got = _psgd_steps(state, model, t.rank, range(3))
         unit, (names, _) = next(iter(state.residuals.units.items()))
@@ -351,6 +355,7 @@ def test_powersgd_hook_resumes_bitwise_and_at_other_rank_counts():
     def run(t, load=None, steps=range(4)):
         model = _psgd_model()
         state, _ = ddp.make_comm_hook("powersgd", rank=2, algorithm="ring", transport=t,
+                                      start_iter=0,
                                       model=model)
         if load is not None:
             state.load_state_dict(torch.load(io.BytesIO(load), weights_only=True))

@@ -34,7 +34,7 @@ ERRORS: list[str] = []
 INFO: dict[str, object] = {}
 #: the codecs of issue 14 item 1 (ratios a 2.5 k-parameter model can carry)
 NAN_CODECS = {"topk": {"ratio": 0.05}, "fp16": {}, "randomk": {"ratio": 0.05}, "int8": {},
-              "onebit": {}, "powersgd": {"rank": 1}}
+              "onebit": {}, "powersgd": {"rank": 1, "start_iter": 0}}
 
 
 def fail(msg: str) -> None:

@@ -34,7 +34,7 @@ from gradcomm.integrations.ddp.residuals import redistribute
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 #: options per codec for these checks (ratios high enough for a small model)
-OPTIONS = {"topk": {"ratio": 0.1}, "randomk": {"ratio": 0.1}, "powersgd": {"rank": 2},
+OPTIONS = {"topk": {"ratio": 0.1}, "randomk": {"ratio": 0.1}, "powersgd": {"rank": 2, "start_iter": 0},
            "int8": {"bits": 4}}
 #: bucket_cap_mb giving several buckets for the model below (9412 parameters)
 CAP = 0.01

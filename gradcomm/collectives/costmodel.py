@@ -49,6 +49,12 @@ allgather               p−1 (Bruck:     (p−1)·c       n         p·n
 sparse_allgather        p (Bruck: +1)   (p−1)·c       n         n (zero fill; scatter k·p)
 ======================  ==============  ============  ========  ========================
 
+allgather with a codec ``piece_quantum`` (``quantum=``) is also modelled as the one-thread
+pipeline of :mod:`~gradcomm.compressed.pipeline`: K pieces cost max(codec, wire) +
+(codec + wire)/K + K·((p−1)·α + :data:`PIECE_S`), taken (:func:`gather_pieces`) only
+below :data:`PIECE_GAIN` of the one-shot codec + wire; ``compressed/auto.py`` still
+compares the routes one-shot (the pipeline only decides how allgather runs).
+
 α, β and the copy speed come from a profile if there is one, else the defaults
 :data:`ALPHA`, :data:`BETA`, :data:`COPY_S` (hand-set, not measured); e and g are the
 default :data:`CODEC_COST` (in copies of one element; a profile's measured codec speeds
@@ -365,16 +371,50 @@ COPY_S = 0.1e-9
 #: target bytes of one compressed message of the per-hop ring and tree (the default of
 #: :func:`route_times`' ``chunk_bytes``)
 COMPRESSED_CHUNK_BYTES = 2 << 20
+#: default cost of one piece of the pipelined gathered route beyond its messages' α
+#: (Python, the frame, the tests that progress the transport); not calibrated
+PIECE_S = 100e-6
+#: the pipelined gathered route's smallest piece, in elements, and most pieces
+MIN_PIECE, MAX_PIECES = 1 << 16, 64
+#: the pipeline is taken only when modelled at most this fraction of the one-shot time
+PIECE_GAIN = 0.9
+
+
+def gather_pieces(p: int, n: int, quantum: int, alpha: float, coding: float,
+                  wire: float) -> tuple[int, float]:
+    """(pieces, seconds) of the gathered route cut into pipelined pieces (one thread:
+    the codec's ``coding`` seconds overlap the ``wire``'s; each piece pays (p − 1)
+    messages' ``alpha`` and :data:`PIECE_S`): the fewest modelled seconds among 2, 4, ...
+    :data:`MAX_PIECES` pieces of at least :data:`MIN_PIECE` elements (multiples of
+    ``quantum``), or (1, coding + wire) when none is below :data:`PIECE_GAIN` of that.
+
+    Example:
+        >>> gather_pieces(2, 25 * 10**6, 2048, 1e-4, 0.056, 0.026)[0]
+        16
+        >>> gather_pieces(2, 25 * 10**6, 0, 1e-4, 0.056, 0.026)[0]
+        1
+    """
+    best = (1, coding + wire)
+    k = 2
+    while quantum > 0 and k <= MAX_PIECES and n // k >= max(MIN_PIECE, quantum):
+        s = max(coding, wire) + (coding + wire) / k + k * ((p - 1) * alpha + PIECE_S)
+        if s < best[1] and s <= PIECE_GAIN * (coding + wire):
+            best = (k, s)
+        k *= 2
+    return best
 
 
 def route_times(p: int, n: int, c: int, itemsize: int, codec: str, per_hop: str,
                 profile: Any = None, *, gathered: bool, sparse: bool = False,
-                chunk_bytes: int = COMPRESSED_CHUNK_BYTES) -> dict[str, float]:
+                chunk_bytes: int = COMPRESSED_CHUNK_BYTES, quantum: int = 0,
+                pieces: dict[str, int] | None = None) -> dict[str, float]:
     """Modelled seconds of each candidate route of a compressed allreduce (the module
     docstring's second table) through codec ``codec`` (its name): the per-hop route
     ``per_hop``, and for ``gathered`` codecs (not summable) also ``allgather``, or
     ``sparse_allgather`` for ``sparse`` ones. ``profile``: a :class:`Profile` or None
-    (the defaults)."""
+    (the defaults). ``quantum``: the codec's ``piece_quantum``; with one, allgather is
+    modelled pipelined where that pays (:func:`gather_pieces`) and ``pieces`` (if given)
+    receives its number of pieces under "allgather"."""
     a, b, copy = ALPHA, BETA, COPY_S
     if profile is not None:
         a, b, copy = profile.alpha + WIRE_ALPHA, profile.beta, profile.copy or COPY_S
@@ -408,8 +448,15 @@ def route_times(p: int, n: int, c: int, itemsize: int, codec: str, per_hop: str,
             extra["sparse_allgather"] = copy * itemsize * n      # the zero fill
         else:
             out["allgather"] = (gather_msgs, (p - 1) * c, n, p * n)
-    return {name: a * msgs + b * nbytes + e * enc + g * dec + extra.get(name, 0.0)
-            for name, (msgs, nbytes, enc, dec) in out.items()}
+    times = {name: a * msgs + b * nbytes + e * enc + g * dec + extra.get(name, 0.0)
+             for name, (msgs, nbytes, enc, dec) in out.items()}
+    if "allgather" in times:
+        msgs, nbytes, enc, dec = out["allgather"]
+        k, times["allgather"] = gather_pieces(p, n, quantum, a, e * enc + g * dec,
+                                              a * msgs + b * nbytes)
+        if pieces is not None:
+            pieces["allgather"] = k
+    return times
 
 
 class _NoLink:

@@ -7,7 +7,9 @@
   thread (:mod:`~gradcomm.compressed.ring`).
 - **allgather**: every rank compresses ``e + g`` once into a frame whose size follows
   from the count alone, the frames are allgathered, and every rank decodes and sums them
-  in rank order.
+  in rank order. For codecs with a ``piece_quantum`` on host buffers the cost model may
+  cut it into pipelined pieces (:mod:`~gradcomm.compressed.pipeline`, same bytes):
+  :func:`gather_pieces`.
 - **sparse_allgather**: as allgather, for sparse codecs: the (index, value) pairs go
   through :func:`~gradcomm.collectives.sparse_allgather.allreduce`.
 
@@ -41,7 +43,7 @@ from ..comm.base import Transport
 from ..compressors.base import Compressor, Payload
 from ..error_feedback import ResidualStore, contractive
 from ..errors import PayloadError
-from . import ring
+from . import pipeline, ring
 from ._args import HOP_ALGORITHMS
 from .frames import Frames, max_nbytes
 from .seeds import Seeds
@@ -50,6 +52,36 @@ from .wire import CompressedWire
 
 #: target bytes of one compressed message in the pipelined ring and tree
 CHUNK_BYTES = 2 << 20
+#: pieces of the gathered route's pipeline: None lets the cost model decide, 1 is one
+#: shot (benchmarks set it to compare; it must be the same on every rank)
+GATHER_PIECES: int | None = None
+
+
+def gather_pieces(t: Transport, codec: Compressor, n: int, dtype: str, itemsize: int) -> int:
+    """Pieces of the gathered (not sparse) route of ``n`` host elements of working
+    ``dtype``: 1 for codecs without a ``piece_quantum``, else :data:`GATHER_PIECES` or
+    the cost model's choice (:func:`~gradcomm.collectives.costmodel.route_times` with the
+    agreed profile, if any: the same on every rank).
+
+    Example:
+        >>> from gradcomm import compressors
+        >>> from gradcomm.comm import run_ranks
+        >>> run_ranks(2, lambda t: gather_pieces(t, compressors.get("topk", ratio=0.01),
+        ...                                      10**6, "float32", 4))
+        [1, 1]
+    """
+    if not codec.piece_quantum or n < 2 * codec.piece_quantum:
+        return 1
+    if GATHER_PIECES is not None:
+        return max(1, GATHER_PIECES)
+    from ..collectives.auto import agreed_profile
+    from ..collectives.costmodel import route_times
+
+    pieces: dict[str, int] = {}
+    route_times(t.size, n, max_nbytes(codec, n, dtype), itemsize, codec.name, "ring",
+                agreed_profile(t), gathered=True, quantum=codec.piece_quantum,
+                pieces=pieces)
+    return pieces["allgather"]
 
 
 def segment_codec(codec: Compressor, n: int) -> Compressor:
@@ -115,6 +147,11 @@ def gathered(t: Transport, x: Any, codec: Compressor, sparse: bool, seeds: Seeds
     if ef is None or e is not None:
         # the key's residual e (if any) is fused into the codec's pass: y = x + e is
         # compressed and e = y - decode(y) left behind; x itself is not needed after
+        k = 1 if sparse or f.device else \
+            gather_pieces(t, codec, n, f.dtype, arrays.itemsize(x))
+        if k > 1:
+            pipeline.allgather(t, x, f, seeds, e, k)
+            return
         if sparse and pairs:
             payload = codec.compress(x, seed=seeds.whole(),
                                      **({} if e is None else {"residual": e}))

@@ -91,6 +91,10 @@ class Compressor(ABC):
     #: entry points pass ``shape=`` (of a 2+-dimensional input) to the collective, which
     #: views a part by its shape
     uses_shape: ClassVar[bool] = False
+    #: pieces of a multiple of this many elements, compressed separately (each with its
+    #: slice of the residual), decode to the same values and leave the same residuals as
+    #: the whole: the gathered route may pipeline them (0: pieces change the bytes)
+    piece_quantum: int = 0
     #: steps of a key sent uncompressed before compression starts
     start_iter: int = 0
     #: the keyword options ``__init__`` takes (``get(name, **options)`` checks names

@@ -92,6 +92,9 @@ class Int8Compressor(Compressor):
             scale = float(scale)
             self.reduction = "summable"
         self.scale = scale
+        #: per-bucket nearest rounding is deterministic, bucket by bucket
+        self.piece_quantum = self.bucket_size if scale is None and \
+            self.rounding == "nearest" else 0
 
     def get_config(self) -> dict[str, Any]:
         return {"bits": self.bits, "bucket_size": self.bucket_size, "rounding": self.rounding,

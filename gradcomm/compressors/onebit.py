@@ -39,6 +39,7 @@ class OneBitCompressor(Bucketed):
 
     def __init__(self, bucket_size: int = 2048) -> None:
         super().__init__(bucket_size)
+        self.piece_quantum = self.bucket_size       # deterministic, bucket by bucket
 
     def _encode(self, x: Any, seed: Any, out: Payload | None, fk: Any, residual: Any,
                 decoded: Any) -> Payload:

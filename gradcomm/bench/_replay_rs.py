@@ -154,8 +154,9 @@ def replay_reduce_scatter(inputs: Sequence[np.ndarray], *, dtype: str, op: str =
         step = stores[0].step(key) if stores[0] is not None else 0
     codec = compressors.get(compressor, **options)
     base = (int(seed), int(step), zlib.crc32(key.encode()))
-    efs = [s if (s is not None and s.enabled and codec.lossy and contractive(codec))
-           else None for s in stores]
+    hops = p > 1 and route != "alltoall"
+    efs = [s if (s is not None and s.enabled and codec.lossy
+                 and contractive(codec, per_hop=hops)) else None for s in stores]
     codec = segment_codec(codec, n)
     x = [widen(a, dtype) for a in xs]
     pre = op == "mean" and codec.lossy and p > 1

@@ -387,6 +387,8 @@ def _replay(xs: list[np.ndarray], dtype: str, op: str, algorithm: str, codec: Co
         name = auto_route(transport, codec, n, dtype)
     if name not in ROUTES:
         raise ConfigError(f"replay: unknown route {name!r}; known: {', '.join(ROUTES)}")
+    if name not in ("allgather", "sparse_allgather") and not contractive(codec, per_hop=True):
+        efs = [None] * p                       # per hop: contractions only
     if name in ("allgather", "sparse_allgather"):
         out = _gathered(x, codec, name == "sparse_allgather", base, efs, key, transport)
     else:

@@ -149,8 +149,8 @@ def run(t: Transport, buf: Any, dtype: str, op: str, route: str, codec: Compress
     through ``codec``; returns this rank's shard (a view of ``buf``)."""
     p, n = t.size, arrays.size(buf)
     lo, hi = shard_bounds(n, p, t.rank)
-    ef = ef if (ef is not None and ef.enabled and codec.lossy and contractive(codec)) \
-        else None
+    ef = ef if (ef is not None and ef.enabled and codec.lossy
+                and contractive(codec, per_hop=p > 1 and route != "alltoall")) else None
     pre_divide = op == "mean" and codec.lossy and p > 1
     codec = segment_codec(codec, n)
     with session(t) as scratch:

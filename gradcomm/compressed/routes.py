@@ -235,8 +235,9 @@ def run(t: Transport, buf: Any, dtype: str, op: str, route: str, codec: Compress
     ``route`` (a per-hop algorithm, ``allgather`` or ``sparse_allgather``: decided by the
     caller) through ``codec``; returns the result (``buf``, overwritten)."""
     p, n = t.size, arrays.size(buf)
-    ef = ef if (ef is not None and ef.enabled and codec.lossy and contractive(codec)) \
-        else None
+    hops = p > 1 and route in HOP_ALGORITHMS
+    ef = ef if (ef is not None and ef.enabled and codec.lossy
+                and contractive(codec, per_hop=hops)) else None
     pre_divide = op == "mean" and codec.lossy and p > 1
     if p == 1 or n == 0:
         x = _widen(buf, dtype, None)

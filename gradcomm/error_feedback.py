@@ -38,6 +38,7 @@ Example:
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
@@ -292,16 +293,31 @@ class ErrorFeedback:
                 f"keys={len(self._steps)})")
 
 
+@dataclass
+class _Layout:
+    """One key's residual as one flat buffer: ``views[i]``, the view of it that piece
+    ``i``'s residual is (None: the piece holds no residual yet), and the ``runs``
+    ``(start, end)`` of consecutive pieces that hold one."""
+
+    flat: Any
+    views: list[Any]
+    runs: list[tuple[int, int]]
+
+
 class KeyedResiduals(ErrorFeedback):
     """A :class:`ResidualStore` for an owner that keeps the books (the DDP hook's units).
 
     A key's residual is kept in pieces, one named residual per tensor the key is made of
-    (:meth:`set_parts`): the owner adds the pieces to the buffer before the reduction and
-    zeroes them, so :meth:`compensate` has nothing to add, and :meth:`update` cuts
-    ``x - decoded`` back into the pieces. Hop residuals are named residuals too, with the
-    offset where each lies in its key's buffer recorded (:attr:`offsets`); steps follow
-    the owner's :attr:`clock` (the same on every rank). The owner checkpoints what it
-    needs (this class adds nothing to :meth:`state_dict`).
+    (:meth:`set_parts`), each a view of one flat buffer per key: the owner adds the key's
+    residual to the buffer before the reduction and zeroes it (:meth:`take`: one
+    operation per bucket, whatever its number of parameters), so :meth:`compensate` has
+    nothing to add, and :meth:`update` writes ``x - decoded`` into the flat buffer, i.e.
+    into every piece at once. The buffer is laid out anew (the pieces' residuals taken in
+    one by one) when the key's parts, or the dtype or place of its data, change, or when
+    a piece's residual was replaced (a checkpoint loaded, a fold). Hop residuals are
+    named residuals too, with the offset where each lies in its key's buffer recorded
+    (:attr:`offsets`); steps follow the owner's :attr:`clock` (the same on every rank).
+    The owner checkpoints what it needs (this class adds nothing to :meth:`state_dict`).
 
     Example:
         >>> import numpy as np
@@ -315,6 +331,8 @@ class KeyedResiduals(ErrorFeedback):
         ([0.0, 1.0], array([0.], dtype=float32))
         >>> store.hop_residual("u#e0", 2, 1, np.float32).size, store.offsets
         (1, {'u#e0': 2})
+        >>> store.take("u", x); x.tolist(), store.residual("w", 2, np.float32).tolist()
+        ([1.0, 2.0, 1.0], [0.0, 0.0])
     """
 
     def __init__(self, enabled: bool = True) -> None:
@@ -323,10 +341,13 @@ class KeyedResiduals(ErrorFeedback):
         self.offsets: dict[str, int] = {}
         self._parts: dict[str, list[tuple[str, int, Any]]] = {}
         self._pieces: dict[str, list[tuple[str, int, int]]] = {}
+        #: key -> its flat buffer and the views of it its pieces' residuals are
+        self._flats: dict[str, _Layout] = {}
 
     def set_parts(self, key: str, parts: Sequence[tuple[str, int, Any]] | None) -> None:
         """``key``'s buffer is made of ``parts``: ``(name, elements, shape or None)`` in
         order, each with its own named residual (None: forget the key's parts)."""
+        self._flats.pop(key, None)
         if parts is None:
             self._parts.pop(key, None)
             self._pieces.pop(key, None)
@@ -353,13 +374,71 @@ class KeyedResiduals(ErrorFeedback):
         """``x`` as it is: the owner added the pieces before the reduction."""
         return x
 
+    def take(self, key: str, x: Any) -> None:
+        """``x += `` ``key``'s residual (flat ``x`` where the reduction runs, any array
+        kind), which is zeroed: the owner's step before the reduction. Residuals of another
+        length or dtype are reset (:func:`held_residual`); no-op when disabled."""
+        if not self.enabled:
+            return
+        lay = self._layout(key, x)
+        if lay is None:
+            self._lay_out(key, x, take=True)
+            return
+        for a, b in lay.runs:
+            x[a:b] += lay.flat[a:b]
+        arrays.assign(lay.flat, 0.0)
+
     def update(self, key: str, x: Any, decoded: Any) -> None:
         """Each piece of ``key`` keeps its slice of ``x - decoded``."""
-        if self.enabled:
-            dtype = arrays.dtype_name(x)
-            for name, a, b in self._pieces[key]:
-                arrays.subtract(x[a:b], decoded[a:b],
-                                held_residual(self._residuals, name, b - a, dtype, x))
+        if not self.enabled:
+            return
+        lay = self._layout(key, x) or self._lay_out(key, x)
+        arrays.subtract(x, decoded, lay.flat)
+        if any(v is None for v in lay.views):        # every piece holds a residual now
+            self._register(key, lay, all_pieces=True)
+
+    def _layout(self, key: str, x: Any) -> _Layout | None:
+        """``key``'s :class:`_Layout` if it is still what the table holds, where ``x``
+        is and of its dtype; else None."""
+        lay = self._flats.get(key)
+        if lay is None or arrays.dtype_name(lay.flat) != arrays.dtype_name(x) \
+                or misplaced(lay.flat, x):
+            return None
+        table = self._residuals
+        for (name, _, _), view in zip(self._pieces[key], lay.views):
+            if table.get(name) is not view:
+                return None
+        return lay
+
+    def _lay_out(self, key: str, x: Any, take: bool = False) -> _Layout:
+        """A new flat buffer for ``key`` where ``x`` is (zeros). With ``take``, each
+        piece's residual is added to its slice of ``x`` as it is taken in, and pieces
+        without one stay without (none is made before :meth:`update`); else every piece
+        gets its view."""
+        table, dtype = self._residuals, arrays.dtype_name(x)
+        pieces = self._pieces[key]
+        flat = held_residual({}, key, pieces[-1][2] if pieces else 0, dtype, x)   # zeros
+        for name, a, b in pieces:
+            if take:
+                _take_piece(table, name, a, b, x)
+            elif name in table:
+                held_residual(table, name, b - a, dtype, x)     # (warns if reset)
+        lay = self._flats[key] = _Layout(flat, [None] * len(pieces), [])
+        self._register(key, lay, all_pieces=not take)
+        return lay
+
+    def _register(self, key: str, lay: _Layout, all_pieces: bool) -> None:
+        """Make the pieces' residuals views of ``lay.flat`` (every piece, or those that
+        hold one) and note the runs of consecutive pieces that do."""
+        table = self._residuals
+        lay.runs = []
+        for i, (name, a, b) in enumerate(self._pieces[key]):
+            if all_pieces or name in table:
+                table[name] = lay.views[i] = lay.flat[a:b]
+                if lay.runs and lay.runs[-1][1] == a:
+                    lay.runs[-1] = (lay.runs[-1][0], b)
+                else:
+                    lay.runs.append((a, b))
 
     def hop_residual(self, name: str, offset: int, n: int, dtype: Any,
                      like: Any = None) -> Any:
@@ -370,6 +449,20 @@ class KeyedResiduals(ErrorFeedback):
     def parts(self, key: str) -> list[tuple[str, int, Any]] | None:
         """The parts :meth:`set_parts` gave ``key``, or None."""
         return self._parts.get(key)
+
+
+def _take_piece(table: dict[str, Any], name: str, a: int, b: int, x: Any) -> Any:
+    """``x[a:b] += table[name]`` where that residual has ``b - a`` elements of ``x``'s
+    dtype (moved to ``x``'s place first); one of another size or dtype is reset
+    (:func:`held_residual`). Returns the residual, or None if there is none."""
+    e = table.get(name)
+    if e is not None:
+        dtype = arrays.dtype_name(x)
+        kept = tuple(e.shape) == (b - a,) and arrays.dtype_name(e) == dtype
+        e = held_residual(table, name, b - a, dtype, x)
+        if kept:
+            x[a:b] += e
+    return e
 
 
 def held_residual(table: dict[str, Any], name: str, n: int, dtype: Any, like: Any) -> Any:
@@ -394,11 +487,22 @@ def held_residual(table: dict[str, Any], name: str, n: int, dtype: Any, like: An
         if home:
             e = arrays.like(e, like)
         table[name] = e
-    elif home != (not arrays.is_host(e)) or (home and arrays.meta_of(e).device !=
-                                               arrays.meta_of(like).device):
+    elif misplaced(e, like):
         e = table[name] = arrays.like(arrays.host(e).copy(), like) if home \
             else arrays.host(e).copy()
     return e
+
+
+def misplaced(e: Any, like: Any) -> bool:
+    """Whether array ``e`` is not where ``like`` lives (None: the host).
+
+    Example:
+        >>> misplaced(np.zeros(1), None), misplaced(np.zeros(1), np.ones(2))
+        (False, False)
+    """
+    home = like is not None and not arrays.is_host(like)
+    return home != (not arrays.is_host(e)) or (home and arrays.meta_of(e).device !=
+                                                 arrays.meta_of(like).device)
 
 
 def checked_extra(name: str, value: Any) -> np.ndarray:
@@ -459,4 +563,5 @@ def torch_safe_globals() -> list[Any]:
 
 
 __all__ = ["ErrorFeedback", "ErrorFeedbackWarning", "KeyedResiduals", "ResidualResetWarning",
-           "ResidualStore", "STATE_VERSION", "checked_extra", "contractive", "held_residual", "torch_safe_globals"]
+           "ResidualStore", "STATE_VERSION", "checked_extra", "contractive", "held_residual", "misplaced",
+           "torch_safe_globals"]

@@ -228,12 +228,18 @@ def _decode_sum(f: Frames, payloads: list[Payload], x: Any) -> None:
         raise PayloadError(f"{codec.name} payloads do not decode: {exc}") from None
 
 
-@arrays.device_scoped            # cupy: kernels and new arrays on buf's device
 def run(t: Transport, buf: Any, dtype: str, op: str, route: str, codec: Compressor,
         seed: int, step: int, ef: ResidualStore | None, key: str) -> Any:
     """Allreduce flat storage ``buf`` of logical ``dtype`` (op ``sum`` or ``mean``) by
     ``route`` (a per-hop algorithm, ``allgather`` or ``sparse_allgather``: decided by the
     caller) through ``codec``; returns the result (``buf``, overwritten)."""
+    with arrays.device_scope(buf):         # cupy: kernels and new arrays on buf's device
+        return _run(t, buf, dtype, op, route, codec, seed, step, ef, key)
+
+
+def _run(t: Transport, buf: Any, dtype: str, op: str, route: str, codec: Compressor,
+         seed: int, step: int, ef: ResidualStore | None, key: str) -> Any:
+    """:func:`run` in ``buf``'s device scope."""
     p, n = t.size, arrays.size(buf)
     hops = p > 1 and route in HOP_ALGORITHMS
     ef = ef if (ef is not None and ef.enabled and codec.lossy

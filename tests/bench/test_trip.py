@@ -22,13 +22,33 @@ TRIP = Path(__file__).resolve().parents[2] / "bench" / "trip.py"
 #: default: compressed/guard.py and a small dense allreduce, 7 files more: 27, 31)
 BOUNDS = {"int8:auto:guard=false": 20, "topk:ring:guard=false": 27, "int8:auto": 27,
           "topk:ring": 31}
+#: most distinct files on the call stacks when the transport is entered (hook -> wire,
+#: the rule's 8), united over the trip: measured 6 (int8, allgather) and 7 (topk, ring:
+#: comm/torch_dist.py too); no single stack holds more than 6 (SPINE_ONE)
+SPINE = {"int8:auto:guard=false": 6, "topk:ring:guard=false": 7}
+SPINE_ONE = 6
+#: the same trips on a model of 16 parameters instead of 4 (layers=8): a bucket enters
+#: arrays/ and the residual store as often (40 and 6 times, int8), not per parameter
+WIDE = {cfg: cfg + ":layers=8" for cfg in ("int8:auto:guard=false", "topk:ring:guard=false")}
 
 
 @pytest.mark.timeout(150)
 def test_a_bucket_never_climbs_back_into_the_hook_during_the_collective():
-    run = torchrun(TRIP, 2, *BOUNDS, timeout=140)
+    run = torchrun(TRIP, 2, *BOUNDS, *WIDE.values(), timeout=140)
     results = run.results(2)
     for r in results:
+        for cfg, bound in SPINE.items():
+            trip, where = r["trips"][cfg], f"rank {r['rank']} {cfg}"
+            assert trip["n_spine"] <= bound, f"{where}: spine {trip['spine']}"
+            assert trip["spine_max"] <= SPINE_ONE, f"{where}: {trip['spine_max']}"
+            assert "comm/base.py" in trip["spine"] and \
+                "integrations/ddp/worker.py" in trip["spine"], f"{where}: {trip['spine']}"
+        for cfg, wide in WIDE.items():
+            trip, wider = r["trips"][cfg], r["trips"][wide]
+            where = f"rank {r['rank']} {cfg}"
+            assert trip["buckets"] == wider["buckets"] == 1, where
+            assert wider["entries"] == trip["entries"], \
+                f"{where}: entries per bucket {trip['entries']}, 16 parameters {wider['entries']}"
         for cfg, bound in BOUNDS.items():
             trip = r["trips"][cfg]
             where = f"rank {r['rank']} {cfg}"

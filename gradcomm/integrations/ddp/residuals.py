@@ -149,19 +149,7 @@ class ParameterResiduals:
         store.clock = int(step)
         if store.parts(unit) is None:
             store.set_parts(unit, [(k, n, self.shapes.get(k)) for k, n in zip(keys, lengths)])
-        if self.enabled:
-            table = self._residuals
-            a, dtype = 0, arrays.dtype_name(x)
-            for name, n in zip(keys, lengths):
-                e = table.get(name)
-                if e is not None:
-                    if tuple(e.shape) == (n,) and arrays.dtype_name(e) == dtype:
-                        e = self.residual(name, n, dtype, like=x)    # where x is
-                        x[a:a + n] += e
-                        arrays.assign(e, 0.0)
-                    else:
-                        self.residual(name, n, dtype, like=x)       # warns and resets
-                a += n
+        store.take(unit, x)
         return unit
 
     def fold_unused(self, t: Transport | None = None) -> None:

@@ -179,21 +179,29 @@ class ErrorFeedback:
             self._steps.clear()
             self._extras.clear()
             return
-        for name in [n for n in self._residuals if n == key or
-                     n.startswith(key + HOP_SEP)]:
+        for name in self._of(key, self._residuals):
             del self._residuals[name]
-        for name in [n for n in self._extras if n == key or n.startswith(key + HOP_SEP)]:
+        for name in self._of(key, self._extras):
             del self._extras[name]
         self._steps.pop(key, None)
 
     def clear(self, key: str) -> None:
         """Zero ``key``'s residual and its hops' and drop its codec state (steps are kept:
         they seed the codecs alike on every rank); what the divergence guard does."""
-        for name in [n for n in self._residuals if n == key or
-                     n.startswith(key + HOP_SEP)]:
+        for name in self._of(key, self._residuals):
             arrays.assign(self._residuals[name], 0.0)
-        for name in [n for n in self._extras if n == key or n.startswith(key + HOP_SEP)]:
+        for name in self._of(key, self._extras):
             del self._extras[name]
+
+    def _roots(self, key: str) -> Sequence[str]:
+        """The names whose entries (``name`` and ``"name#..."``) belong to ``key``."""
+        return (key,)
+
+    def _of(self, key: str, table: Mapping[str, Any]) -> list[str]:
+        """The names in ``table`` that belong to ``key`` (:meth:`_roots`), sorted."""
+        roots = self._roots(key)
+        return sorted(n for n in table
+                      if any(n == r or n.startswith(r + HOP_SEP) for r in roots))
 
     def names(self) -> Iterator[str]:
         """Names of the stored residuals (keys and ``key#hop`` entries)."""
@@ -201,8 +209,7 @@ class ErrorFeedback:
 
     def residuals_of(self, key: str) -> list[np.ndarray]:
         """The residual of ``key`` and those of its hops (in name order)."""
-        return [self._residuals[n] for n in sorted(self._residuals)
-                if n == key or n.startswith(key + HOP_SEP)]
+        return [self._residuals[n] for n in self._of(key, self._residuals)]
 
     # -- other per-key state of stateful codecs ---------------------------------------------
     def extra(self, name: str) -> np.ndarray | None:
@@ -449,6 +456,11 @@ class KeyedResiduals(ErrorFeedback):
     def parts(self, key: str) -> list[tuple[str, int, Any]] | None:
         """The parts :meth:`set_parts` gave ``key``, or None."""
         return self._parts.get(key)
+
+    def _roots(self, key: str) -> Sequence[str]:
+        """``key`` and its parts: :meth:`clear`, :meth:`reset` and :meth:`residuals_of`
+        reach the pieces' residuals and codec state (``"<part>#q"``) too."""
+        return (key, *(name for name, _, _ in self._parts.get(key, ())))
 
 
 def _take_piece(table: dict[str, Any], name: str, a: int, b: int, x: Any) -> Any:

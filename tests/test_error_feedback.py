@@ -160,6 +160,25 @@ def _keyed() -> KeyedResiduals:
     return store
 
 
+def test_keyed_residuals_clear_reaches_the_pieces_of_a_unit() -> None:
+    store = _keyed()
+    assert len(store.residuals_of("u")) == 3          # w, b and the hop
+    store.clear("u")
+    for name, n in (("w", 3), ("b", 2), ("u#e0", 2)):
+        assert not store.residual(name, n, np.float32).any(), name
+    assert store.residual("v", 1, np.float32).tolist() == [5.0]
+    assert list(store.extra_names()) == ["v#q"] and store.step("u") == 7
+    x = np.float32([1, 1, 1, 1, 1])                  # nothing owed any more
+    store.take("u", x)
+    assert x.tolist() == [1.0] * 5
+
+
+def test_keyed_residuals_reset_forgets_the_pieces_of_a_unit() -> None:
+    store = _keyed()
+    store.reset("u")
+    assert list(store.names()) == ["v"] and list(store.extra_names()) == ["v#q"]
+
+
 def test_keyed_residuals_take_adds_and_zeroes_the_pieces_in_one_buffer() -> None:
     store = _keyed()
     x = np.zeros(5, np.float32)

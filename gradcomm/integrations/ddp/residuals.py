@@ -118,11 +118,7 @@ class ParameterResiduals:
     def clear_unit(self, unit: str) -> None:
         """Zero the residuals of unit ``unit``'s parameters and hops and drop their codec
         state (PowerSGD's ``Q``): the divergence guard's reset, on every rank alike."""
-        names = set(self.units.get(unit, ([], []))[0])
-        for e in self.unit_arrays(unit):
-            arrays.assign(e, 0.0)
-        for k in [k for k in self._extras if k.split(HOP_SEP)[0] in names]:
-            del self._extras[k]
+        self.store.clear(unit)
 
     def extra(self, name: str) -> np.ndarray | None:
         """The codec state stored under ``name``, or None."""

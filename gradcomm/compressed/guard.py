@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -59,6 +59,37 @@ def default_clip(codec: Any) -> float | None:
         return None
     ratio = codec.get_config().get("ratio")
     return math.sqrt(float(ratio)) if ratio else 0.1
+
+
+#: how many float64 numbers the ranks sum to agree (result, residuals, bound, norm)
+AGREED = 4
+#: sums the guard's ``AGREED`` float64 numbers across the ranks, in place: ``agree(t, buf)``
+Agreement = Callable[[Transport, np.ndarray], None]
+
+
+def agreement(t: Transport) -> Agreement:
+    """How the guard's decision is summed on ``t``: the dense algorithm ``auto`` picks for
+    it (as ``dense_allreduce(t, buf, "sum", "float64", "auto", check=False)`` would,
+    the same bytes), resolved now, so that a caller checking every step can keep it.
+
+    Example:
+        >>> from gradcomm.comm import run_ranks
+        >>> def fn(t):
+        ...     buf = np.ones(AGREED)
+        ...     agreement(t)(t, buf)
+        ...     return buf.tolist()
+        >>> run_ranks(2, fn)[0]
+        [2.0, 2.0, 2.0, 2.0]
+    """
+    from ..collectives import algorithm, auto
+    from ..ops import reducer
+
+    name = auto.select(t, AGREED * 8, "float64", "sum", native=t.native_bounded)
+    fn, red = algorithm(name), reducer("sum", "float64")
+
+    def agree(t: Transport, buf: np.ndarray) -> None:
+        fn(t, buf, red)
+    return agree
 
 
 class GuardWarning(UserWarning):
@@ -113,7 +144,7 @@ class Guard:
         self._pending[key] = sq_norm(g)
 
     def check(self, t: Transport, key: str, residuals: Sequence[Any], out: Any, *,
-              same: bool = False) -> str | None:
+              same: bool = False, agree: Agreement | None = None) -> str | None:
         """Collective: whether any rank must reset ``key`` (``"nonfinite"``,
         ``"over_bound"``) or None. Counts and warns; the caller resets. With ``clip``
         set, :attr:`factor` is then the factor the caller scales ``out`` by (1.0: none).
@@ -122,7 +153,9 @@ class Guard:
         reduce-scatter's shard), so each rank looks at its own ``1/p``-th of it and the
         agreement adds up what they saw: the same decision, one pass over ``out`` shared
         by the ranks instead of one each (with ``clip``, which needs the whole norm, each
-        rank looks at all of it)."""
+        rank looks at all of it). ``agree``: how the ranks sum the decision,
+        :func:`agreement` of ``t`` resolved once by a caller that checks often (None:
+        decided here, per call)."""
         g2 = self._pending.pop(key, 0.0)
         part = out
         if same and t.size > 1 and self.clip is None:
@@ -138,9 +171,7 @@ class Guard:
         agreed = np.array([bad_out, bad_e, over,
                            math.sqrt(g2) if math.isfinite(g2) else 0.0])
         if t.size > 1:
-            from ..collectives import dense_allreduce
-
-            dense_allreduce(t, agreed, "sum", "float64", "auto", check=False)
+            (agree or agreement(t))(t, agreed)
         if not agreed[0] and math.isfinite(g2) and g2 > self._scale.get(key, 0.0):
             self._scale[key] = g2               # a finite result: the step joins the scale
         nonfinite, over = bool(agreed[0] or agreed[1]), bool(agreed[2])
@@ -163,4 +194,5 @@ class Guard:
         return reason
 
 
-__all__ = ["DEFAULT_BOUND", "Guard", "GuardWarning", "check_bound", "default_clip", "sq_norm"]
+__all__ = ["AGREED", "Agreement", "DEFAULT_BOUND", "Guard", "GuardWarning", "agreement",
+           "check_bound", "default_clip", "sq_norm"]

@@ -45,7 +45,7 @@ from ... import arrays
 from ..._plan import Reduction
 from ...collectives import DENSE, dense_allreduce
 from ...comm.base import Transport
-from ...compressed.guard import DEFAULT_BOUND, Guard
+from ...compressed.guard import DEFAULT_BOUND, Agreement, Guard, agreement
 from ...errors import ConfigError, UnsupportedError
 from .momentum import MomentumCorrection
 from .residuals import ParameterResiduals, unit_key
@@ -68,13 +68,15 @@ class Plan:
     the unit's key, the working dtype (float64 buckets: float64, else float32) and, for
     compressed units, the ``route`` and ``codec`` the collective
     runs (None until the first reduction decided them; PowerSGD: always None, its
-    rounds are planned per call)."""
+    rounds are planned per call), and how the divergence guard's ranks agree
+    (:func:`~gradcomm.compressed.guard.agreement`, resolved at its first check)."""
 
     where: str
     unit: str
     work: str                       # the working dtype of compressed units
     route: str | None = None
     codec: Any = None
+    agree: Agreement | None = None
 
 
 class Routes:
@@ -271,8 +273,11 @@ class Routes:
         out = self._collective(x, plan, keys, lengths, check, step)
         reason = None
         if guard is not None:
+            if plan.agree is None:
+                plan.agree = agreement(self.transport)
             reason = guard.check(self.transport, plan.unit,
-                                 self.residuals.unit_arrays(plan.unit), out, same=True)
+                                 self.residuals.unit_arrays(plan.unit), out, same=True,
+                                 agree=plan.agree)
             if reason is None and guard.factor < 1.0:
                 self._give_back(out, keys, lengths, guard.factor)
         if mc is not None:

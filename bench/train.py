@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import hashlib
 import json
 import os
 import shutil
@@ -65,6 +64,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from _train_common import load_data, make_model, parse_options, report, run_steps
 
 HERE = Path(__file__).resolve().parent
 
@@ -88,13 +89,7 @@ def parse_variant(text: str) -> dict[str, Any]:
         >>> parse_variant("torch-powersgd:rank=4")["options"]
         {'rank': 4}
     """
-    name, _, opts = text.partition(":")
-    options: dict[str, Any] = {}
-    for item in filter(None, opts.split(";")):
-        key, eq, val = item.partition("=")
-        if not eq:
-            raise ValueError(f"variant option must be key=value; got {item!r} in {text!r}")
-        options[key.strip()] = _number(val.strip())
+    name, options = parse_options(text)
     v: dict[str, Any] = {"label": text, "options": options}
     if name == "ddp":
         v["kind"] = "ddp"
@@ -112,81 +107,12 @@ def parse_variant(text: str) -> dict[str, Any]:
     return v
 
 
-def _number(s: str) -> Any:
-    for conv in (int, float):
-        try:
-            return conv(s)
-        except ValueError:
-            pass
-    return s
-
-
-# ------------------------------------------------------------------ data and model
-def load_data(kind: str, seed: int = 0):  # -> (Xtr, ytr, Xte, yte) torch tensors
-    import numpy as np
-    import torch
-
-    if kind == "digits":
-        from sklearn.datasets import load_digits
-
-        d = load_digits()
-        X, y = d.data.astype(np.float32) / 16.0, d.target.astype(np.int64)
-    elif kind == "synthetic":
-        from sklearn.datasets import make_classification
-
-        X, y = make_classification(n_samples=24000, n_features=64, n_informative=48,
-                                   n_redundant=0, n_classes=10, n_clusters_per_class=2,
-                                   class_sep=1.5, random_state=seed)
-        X, y = X.astype(np.float32), y.astype(np.int64)
-    else:
-        raise ValueError(f"data must be digits or synthetic; got {kind!r}")
-    perm = np.random.default_rng(seed).permutation(len(X))
-    X, y = X[perm], y[perm]
-    n_test = len(X) // 5
-    Xtr, ytr, Xte, yte = X[n_test:], y[n_test:], X[:n_test], y[:n_test]
-    mu, sd = Xtr.mean(0), Xtr.std(0) + 1e-6
-    Xtr, Xte = (Xtr - mu) / sd, (Xte - mu) / sd
-    t = torch.from_numpy
-    return t(np.ascontiguousarray(Xtr)), t(ytr), t(np.ascontiguousarray(Xte)), t(yte)
-
-
-def make_model(width: int, depth: int, seed: int):
-    import torch
-
-    torch.manual_seed(seed)
-    layers: list[Any] = []
-    d = 64
-    for _ in range(depth):
-        layers += [torch.nn.Linear(d, width), torch.nn.ReLU()]
-        d = width
-    layers.append(torch.nn.Linear(d, 10))
-    return torch.nn.Sequential(*layers)
-
-
-# ------------------------------------------------------------------ link counters
-def nic_bytes(ifname: str = "gcnet0") -> tuple[int, int] | None:
-    """(rx, tx) bytes of ``ifname`` in this process's network namespace, or None."""
-    try:
-        with open("/proc/net/dev") as f:
-            for line in f:
-                name, _, rest = line.partition(":")
-                if name.strip() == ifname:
-                    fields = rest.split()
-                    return int(fields[0]), int(fields[8])
-    except OSError:
-        pass
-    return None
-
-
 # ------------------------------------------------------------------ one variant
 def train_variant(v: dict[str, Any], args: argparse.Namespace, data, rank: int,
                   world: int) -> dict[str, Any]:
-    import numpy as np
     import torch
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    Xtr, ytr, Xte, yte = data
     model = make_model(args.width, args.depth, args.seed)
     ddp = DDP(model, bucket_cap_mb=args.bucket_mb)
     state: Any = None
@@ -218,79 +144,15 @@ def train_variant(v: dict[str, Any], args: argparse.Namespace, data, rank: int,
 
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
     lossf = torch.nn.CrossEntropyLoss()
-    n = len(Xtr)
-    per_rank = args.batch
-    rng = np.random.default_rng(args.seed)       # same order on every rank
-    order = rng.permutation(n)
-    pos = 0
-    times: list[float] = []
-    start_bytes = None
     try:
         ddp.train()
-        for step in range(args.steps):
-            if pos + per_rank * world > n:
-                order, pos = rng.permutation(n), 0
-            idx = order[pos + rank * per_rank: pos + (rank + 1) * per_rank]
-            pos += per_rank * world
-            x, y = Xtr[idx], ytr[idx]
-            if step == args.warmup:
-                dist.barrier()
-                start_bytes = nic_bytes()
-            t0 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            loss = lossf(ddp(x), y)
-            loss.backward()
-            opt.step()
-            dt = time.perf_counter() - t0
-            if step >= args.warmup:
-                times.append(dt)
-        # a rank's last send may still be queued at its NIC when its own allreduce is
-        # done (it waits for what it receives, not for what it sent): read the counter
-        # once every rank has everything, as at the start
-        dist.barrier()
-        end_bytes = nic_bytes()
-        timed = len(times)
+        times, start_bytes, end_bytes = run_steps(ddp, opt, lossf, data, args, rank, world)
         stats = dict(getattr(state, "stats", {}) or {})
     finally:
         if state is not None and hasattr(state, "close"):
             state.close()
-    # evaluate (every rank holds the same parameters; check that, bitwise)
-    model.eval()
-    with torch.no_grad():
-        logits = model(Xte)
-        acc = float((logits.argmax(1) == yte).float().mean())
-        test_loss = float(lossf(logits, yte))
-        train_loss = float(lossf(model(Xtr), ytr))
-    h = hashlib.sha256()
-    for p in model.parameters():
-        h.update(p.detach().numpy().tobytes())
-    tx = None
-    if start_bytes is not None and end_bytes is not None and timed:
-        tx = (end_bytes[1] - start_bytes[1]) / timed
-    local = {"mean_s": statistics.fmean(times) if times else float("nan"),
-             "p50_s": statistics.median(times) if times else float("nan"),
-             "tx_bytes_per_step": tx, "digest": h.hexdigest(), "hook_stats": stats}
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, local)
-    txs = [g["tx_bytes_per_step"] for g in gathered]
-    hook_sent = [g["hook_stats"].get("bytes_sent") for g in gathered]
-    return {
-        "variant": v["label"],
-        "kind": v["kind"],
-        "steps": args.steps,
-        "timed_steps": timed,
-        "step_s_mean": max(g["mean_s"] for g in gathered),     # slowest rank
-        "step_s_p50": max(g["p50_s"] for g in gathered),
-        "tx_bytes_per_step": (statistics.fmean(txs) if all(t is not None for t in txs)
-                              else None),
-        "hook_bytes_sent_per_step": (statistics.fmean(hook_sent) / max(args.steps, 1)
-                                     if all(isinstance(b, (int, float)) for b in hook_sent)
-                                     else None),
-        "test_acc": acc,
-        "test_loss": test_loss,
-        "train_loss": train_loss,
-        "replicas_identical": len({g["digest"] for g in gathered}) == 1,
-    }
+    return report(v, args, model, lossf, data, world, times, start_bytes, end_bytes,
+                  stats.get("bytes_sent"))
 
 
 # ------------------------------------------------------------------ report
@@ -450,8 +312,7 @@ def rank_main(args: argparse.Namespace) -> int:
                 for v in todo:
                     dist.barrier()
                     t0 = time.perf_counter()
-                    row = (_fsdp().train_fsdp_variant(v, args, data, rank, world, make_model,
-                                                      nic_bytes)
+                    row = (_fsdp().train_fsdp_variant(v, args, data, rank, world)
                            if args.fsdp else train_variant(v, args, data, rank, world))
                     row["wall_s"] = time.perf_counter() - t0
                     row["repeat"] = rep

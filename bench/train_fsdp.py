@@ -22,33 +22,18 @@ Example:
 
 from __future__ import annotations
 
-import hashlib
 import statistics
-import time
 from typing import Any
+
+from _train_common import make_model, parse_options, report, run_steps
 
 FSDP_VARIANTS = "fsdp,fsdp-bf16,fsdp-gc-int8,fsdp-gc-fp16,fsdp-gc-int8:alg=ring"
 FSDP_REPORT = "fsdp-gc-int8"
 
 
-def _number(s: str) -> Any:
-    for conv in (int, float):
-        try:
-            return conv(s)
-        except ValueError:
-            pass
-    return s
-
-
 def parse_fsdp_variant(text: str) -> dict[str, Any]:
     """``"fsdp-gc-topk:ratio=0.01;ef=0"`` -> its kind, codec and options."""
-    name, _, opts = text.partition(":")
-    options = {}
-    for item in filter(None, opts.split(";")):
-        key, eq, val = item.partition("=")
-        if not eq:
-            raise ValueError(f"variant option must be key=value; got {item!r} in {text!r}")
-        options[key.strip()] = _number(val.strip())
+    name, options = parse_options(text)
     v: dict[str, Any] = {"label": text, "options": options}
     if name in ("fsdp", "fsdp-bf16"):
         if options:
@@ -63,16 +48,13 @@ def parse_fsdp_variant(text: str) -> dict[str, Any]:
     return v
 
 
-def train_fsdp_variant(v: dict[str, Any], args: Any, data: Any, rank: int, world: int,
-                       make_model: Any, nic_bytes: Any) -> dict[str, Any]:
+def train_fsdp_variant(v: dict[str, Any], args: Any, data: Any, rank: int, world: int
+                       ) -> dict[str, Any]:
     """One FSDP2 training of variant ``v``; the row ``bench/train.py`` reports."""
-    import numpy as np
     import torch
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    Xtr, ytr, Xte, yte = data
     model = make_model(args.width, args.depth, args.seed)
     mesh = init_device_mesh("cpu", (world,))
     mp = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16) if v["kind"] == "fsdp-bf16" \
@@ -91,63 +73,13 @@ def train_fsdp_variant(v: dict[str, Any], args: Any, data: Any, rank: int, world
                               seed=args.seed, **kw)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     lossf = torch.nn.CrossEntropyLoss()
-    n = len(Xtr)
-    rng = np.random.default_rng(args.seed)
-    order, pos = rng.permutation(n), 0
-    times: list[float] = []
-    start_bytes = None
-    for step in range(args.steps):
-        if pos + args.batch * world > n:
-            order, pos = rng.permutation(n), 0
-        idx = order[pos + rank * args.batch: pos + (rank + 1) * args.batch]
-        pos += args.batch * world
-        if step == args.warmup:
-            dist.barrier()
-            start_bytes = nic_bytes()
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        loss = lossf(model(Xtr[idx]), ytr[idx])
-        loss.backward()
-        opt.step()
-        if step >= args.warmup:
-            times.append(time.perf_counter() - t0)
-    dist.barrier()
-    end_bytes = nic_bytes()
+    times, start_bytes, end_bytes = run_steps(model, opt, lossf, data, args, rank, world)
     full = {k: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
             for k, t in model.state_dict().items()}
     plain = make_model(args.width, args.depth, args.seed)
     plain.load_state_dict(full)
-    plain.eval()
-    with torch.no_grad():
-        logits = plain(Xte)
-        acc = float((logits.argmax(1) == yte).float().mean())
-        test_loss = float(lossf(logits, yte))
-        train_loss = float(lossf(plain(Xtr), ytr))
-    h = hashlib.sha256()
-    for p in plain.parameters():
-        h.update(p.detach().numpy().tobytes())
-    tx = None
-    if start_bytes is not None and end_bytes is not None and times:
-        tx = (end_bytes[1] - start_bytes[1]) / len(times)
-    local = {"mean_s": statistics.fmean(times), "p50_s": statistics.median(times),
-             "tx": tx, "digest": h.hexdigest(),
-             "rs_sent": None if state is None else state.bytes_sent}
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, local)
-    txs = [g["tx"] for g in gathered]
-    sent = [g["rs_sent"] for g in gathered]
-    return {
-        "variant": v["label"], "kind": v["kind"], "steps": args.steps,
-        "timed_steps": len(times),
-        "step_s_mean": max(g["mean_s"] for g in gathered),
-        "step_s_p50": max(g["p50_s"] for g in gathered),
-        "tx_bytes_per_step": statistics.fmean(txs) if all(t is not None for t in txs)
-        else None,
-        "hook_bytes_sent_per_step": statistics.fmean(sent) / max(args.steps, 1)
-        if all(s is not None for s in sent) else None,
-        "test_acc": acc, "test_loss": test_loss, "train_loss": train_loss,
-        "replicas_identical": len({g["digest"] for g in gathered}) == 1,
-    }
+    return report(v, args, plain, lossf, data, world, times, start_bytes, end_bytes,
+                  None if state is None else state.bytes_sent)
 
 
 def summarize_fsdp(rows: list[dict[str, Any]], report_variant: str = FSDP_REPORT

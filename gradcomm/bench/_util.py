@@ -41,6 +41,21 @@ def parse_size(text: str) -> int:
     return value
 
 
+def number(text: str) -> Any:
+    """``text`` as an int, else as a float, else as it is (option values on command lines).
+
+    Example:
+        >>> number("4"), number("0.01"), number("ring")
+        (4, 0.01, 'ring')
+    """
+    for conv in (int, float):
+        try:
+            return conv(text)
+        except ValueError:
+            pass
+    return text
+
+
 def parse_sizes(text: str) -> list[int]:
     """'4,4K,1MiB' -> bytes of each."""
     return [parse_size(s) for s in text.split(",") if s.strip()]

@@ -23,13 +23,14 @@ import json
 import os
 import time
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradcomm.integrations.ddp import make_comm_hook
+
+from _data import load_data  # examples/_data.py
 
 
 def setup(backend: str = "gloo") -> str:
@@ -59,18 +60,6 @@ def setup(backend: str = "gloo") -> str:
         return "mpi"
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return "torch"
-
-
-def load_data(seed: int = 0):
-    """Digits, standardised, split 80/20 with a fixed permutation."""
-    from sklearn.datasets import load_digits
-
-    x, y = load_digits(return_X_y=True)
-    x = (x - x.mean(0)) / (x.std(0) + 1e-6)
-    perm = np.random.default_rng(seed).permutation(len(y))
-    x, y = torch.tensor(x[perm], dtype=torch.float32), torch.tensor(y[perm])
-    cut = int(0.8 * len(y))
-    return (x[:cut], y[:cut]), (x[cut:], y[cut:])
 
 
 def parse_options(pairs: list[str]) -> dict:

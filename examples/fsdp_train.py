@@ -23,7 +23,6 @@ import argparse
 import json
 import time
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -33,17 +32,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from gradcomm.error_feedback import torch_safe_globals
 from gradcomm.integrations.fsdp import compress_fsdp
 
-
-def load_data(seed: int = 0):
-    """Digits, standardised, split 80/20 with a fixed permutation."""
-    from sklearn.datasets import load_digits
-
-    x, y = load_digits(return_X_y=True)
-    x = (x - x.mean(0)) / (x.std(0) + 1e-6)
-    perm = np.random.default_rng(seed).permutation(len(y))
-    x, y = torch.tensor(x[perm], dtype=torch.float32), torch.tensor(y[perm])
-    cut = int(0.8 * len(y))
-    return (x[:cut], y[:cut]), (x[cut:], y[cut:])
+from _data import load_data  # examples/_data.py
 
 
 def main() -> None:

@@ -65,3 +65,26 @@ def torch_roundtrip(state: Any) -> Any:
     buf.seek(0)
     with torch.serialization.safe_globals(torch_safe_globals()):
         return torch.load(buf, weights_only=True)
+
+
+def refused_on_every_rank(defaults: dict[str, Any], n: int,
+                          cases: list[tuple[dict[str, Any], type, str]], p: int = 3) -> None:
+    """For each ``(kwargs, error, text)`` of ``cases``: ``compressed_allreduce`` of ``n``
+    ones with ``defaults`` updated by ``kwargs`` (``dtype`` among them, default float32)
+    raises ``error`` with ``text`` in its message on every one of ``p`` real ranks."""
+    from gradcomm.comm import run_ranks
+    from gradcomm.compressed import compressed_allreduce
+
+    def fn(t, **kw):
+        args = {"dtype": "float32", **defaults, **kw}
+        dtype = args.pop("dtype")
+        x = np.ones(n, np.int32 if dtype == "int32" else np.float32)
+        try:
+            compressed_allreduce(t, x, dtype, **args)
+        except Exception as exc:               # noqa: BLE001 - the type is the point
+            return type(exc).__name__, str(exc)
+        return None, ""
+
+    for kw, exc, text in cases:
+        for name, msg in run_ranks(p, lambda t: fn(t, **kw)):
+            assert name == exc.__name__ and text in msg, (kw, name, msg)

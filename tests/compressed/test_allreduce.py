@@ -32,6 +32,7 @@ from gradcomm.compressors.base import Compressor
 from gradcomm.error_feedback import ErrorFeedback, contractive
 from gradcomm.errors import (ConfigError, MismatchError, PayloadError, UnknownNameError,
                              UnsupportedError)
+from tests._cases import refused_on_every_rank
 from tests._grid import Grid
 
 pytestmark = pytest.mark.timeout(300)
@@ -349,26 +350,13 @@ def test_ring_bytes_stay_2_p_minus_1_over_p_of_compressed(p: int) -> None:
 
 # -- what is refused, and how -------------------------------------------------------------
 def test_ops_dtypes_algorithms_refused_on_every_rank() -> None:
-    def fn(t, **kw):
-        args = dict(op="sum", algorithm="ring", compressor="none", dtype="float32")
-        args.update(kw)
-        dtype = args.pop("dtype")
-        x = np.ones(3, np.int32 if dtype == "int32" else np.float32)
-        try:
-            compressed_allreduce(t, x, dtype, **args)
-        except Exception as exc:               # noqa: BLE001 - the type is the point
-            return type(exc).__name__, str(exc)
-        return None, ""
-
     cases = [({"op": "max"}, UnsupportedError, "sum, mean"),
              ({"dtype": "int32"}, UnsupportedError, "floating"),
              ({"algorithm": "native"}, UnsupportedError, "ring, tree"),
              ({"algorithm": "star"}, ConfigError, "rabenseifner"),
              ({"compressor": "nope"}, UnknownNameError, "known"),
              ({"seed": -1}, ConfigError, "seed")]
-    for kw, exc, text in cases:
-        for name, msg in run_ranks(3, lambda t: fn(t, **kw)):
-            assert name == exc.__name__ and text in msg, (kw, name, msg)
+    refused_on_every_rank(dict(op="sum", algorithm="ring", compressor="none"), 3, cases)
 
 
 @pytest.mark.parametrize("diff", ["compressor", "config", "step", "seed", "key"])

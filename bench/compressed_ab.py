@@ -33,15 +33,6 @@ from typing import Any, Callable
 import numpy as np
 
 
-def _value(v: str) -> Any:
-    for cast in (int, float):
-        try:
-            return cast(v)
-        except ValueError:
-            pass
-    return v
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("variants", nargs="+")
@@ -53,6 +44,7 @@ def main() -> None:
     from mpi4py import MPI
 
     import gradcomm
+    from gradcomm.bench._util import number
 
     mods = {"new": gradcomm}
     if args.baseline:
@@ -72,7 +64,7 @@ def main() -> None:
         pkg, rest = (head, tail) if sep and head in mods else ("new", spec)
         codec, alg = rest.rsplit("/", 1)
         name, *kv = codec.split(":")
-        opts = {k: _value(v) for k, v in (s.split("=", 1) for s in kv)}
+        opts = {k: number(v) for k, v in (s.split("=", 1) for s in kv)}
         comp = None if name == "dense" else name
         mod, comm = mods[pkg], comms[pkg]
         if opts.pop("ef", 0):

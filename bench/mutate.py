@@ -93,7 +93,6 @@ _TREE = "gradcomm/collectives/tree.py"
 _RD = "gradcomm/collectives/recursive_doubling.py"
 _RAB = "gradcomm/collectives/rabenseifner.py"
 _DDP_ROUTES = "gradcomm/integrations/ddp/routes.py"
-_DDP_RESIDUALS = "gradcomm/integrations/ddp/residuals.py"
 _SEEDS = "gradcomm/compressed/seeds.py"
 
 MUTANTS: tuple[Mutant, ...] = (
@@ -133,8 +132,8 @@ MUTANTS: tuple[Mutant, ...] = (
     # -- error feedback that forgets its residual
     Mutant("ef-forgets", "ErrorFeedback.residual hands out fresh zeros every call (the "
            "residual written last step is never added back)",
-           (Patch("gradcomm/error_feedback.py", "    e = table.get(name)\n",
-                  "    e = None\n"),),
+           (Patch("gradcomm/error_feedback.py", "    dt = np.dtype(dtype)\n    e = table.get(name)\n",
+                  "    dt = np.dtype(dtype)\n    e = None\n"),),
            _EF),
     # -- a 'shared' seed that differs across ranks
     Mutant("randomk-unshared", "randomk declares its seed unshared: the collectives add "
@@ -176,13 +175,15 @@ MUTANTS: tuple[Mutant, ...] = (
            (Patch(_DDP_ROUTES,
                   "            result = self._compressed(view, plan, keys, lengths, check, step)",
                   "            result = 0 * self._compressed(view, plan, keys, lengths, check, step)"),
-            Patch("gradcomm/error_feedback.py", "                arrays.subtract(x[a:b], decoded[a:b],",
-                  "                arrays.subtract(x[a:b], 0 * decoded[a:b],")),
+            Patch("gradcomm/error_feedback.py", "        arrays.subtract(x, decoded, lay.flat)",
+                  "        arrays.subtract(x, 0 * decoded, lay.flat)")),
            ("ddp_exact",)),
     Mutant("ddp-forgets-residual", "the DDP hook never adds a parameter's residual back",
-           (Patch(_DDP_RESIDUALS, "                    x[a:a + n] += e\n",
-                  "                    pass\n"),),
-           ("ddp_exact",)),
+           (Patch("gradcomm/error_feedback.py", "            x[a:b] += lay.flat[a:b]\n",
+                  "            pass\n"),
+            Patch("gradcomm/error_feedback.py", "        if kept:\n            x[a:b] += e\n",
+                  "        if kept:\n            pass\n")),
+           ("ddp_exact", "error_feedback")),
     Mutant("ddp-device-route-unscaled", "the hook's device route (CUDA buckets; CPU ones "
            "under GRADCOMM_CODEC_PLACEMENT=array) reduces g / (2p), not g / p",
            (Patch(_DDP_ROUTES, "        work.mul_(1.0 / self.transport.size)",

@@ -132,7 +132,7 @@ class MomentumCorrection:
     def before(self, keys: Sequence[str], lengths: Sequence[int], x: Any) -> None:
         """``u ← m·u + x`` per parameter, then ``x ← u`` (in place)."""
         for k, a, b in self._slices(keys, lengths):
-            u = self._velocity.get(k)
+            u = self._placed(self._velocity, k, x)
             if u is None or arrays.size(u) != b - a or arrays.dtype_name(u) != \
                     arrays.dtype_name(x) or arrays.is_host(u) != arrays.is_host(x):
                 self._velocity[k] = arrays.clone(x[a:b])
@@ -151,12 +151,21 @@ class MomentumCorrection:
                 if u is not None:
                     u[o != 0] = 0
             if self.undo:
-                prev = self._previous.get(k)
+                prev = self._placed(self._previous, k, o)
                 now = arrays.clone(o)
                 if prev is not None and arrays.size(prev) == b - a and \
                         arrays.is_host(prev) == arrays.is_host(o):
                     o -= self.undo * prev
                 self._previous[k] = now
+
+    @staticmethod
+    def _placed(table: dict[str, Any], k: str, ref: Any) -> Any:
+        """``table[k]`` where ``ref`` lives: a checkpoint's host array moves to a device
+        bucket's kind and device once, on first use (None if there is none)."""
+        v = table.get(k)
+        if v is not None and arrays.is_host(v) and not arrays.is_host(ref):
+            v = table[k] = arrays.like(v, ref)
+        return v
 
     def config(self) -> dict[str, Any]:
         """The factors, as ``state_dict()["momentum"]`` holds them."""
@@ -170,7 +179,8 @@ class MomentumCorrection:
 
     def load(self, velocity: Mapping[str, np.ndarray],
              previous: Mapping[str, np.ndarray]) -> None:
-        """Take a checkpoint's state (host arrays; a device bucket restarts from zero)."""
+        """Take a checkpoint's state (host arrays; a device bucket moves them to its own
+        device on first use)."""
         self._velocity = {k: np.array(v, copy=True) for k, v in velocity.items()}
         self._previous = {k: np.array(v, copy=True) for k, v in previous.items()}
 

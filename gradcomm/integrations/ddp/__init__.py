@@ -95,7 +95,8 @@ Example:
 """
 
 from .checkpoint import STATE_FORMAT, STATE_VERSION
-from .hook import CommHookState, UnboundModelWarning, comm_hook, make_comm_hook
+from .hook import CommHookState, UnboundModelWarning, comm_hook
+from .make import make_comm_hook
 
 __all__ = ["CommHookState", "STATE_FORMAT", "STATE_VERSION", "UnboundModelWarning",
            "comm_hook", "make_comm_hook"]

@@ -1,6 +1,7 @@
 """The DDP comm hook and its state: config, parameter names, buckets in, futures out.
 
-:func:`make_comm_hook` validates the configuration and returns ``(state, comm_hook)``.
+:func:`~.make.make_comm_hook` validates the configuration and returns
+``(state, comm_hook)``.
 :func:`comm_hook` runs on the autograd thread: it names the bucket's parameters, starts
 an NCCL group's own allreduce where that is the route, and queues the bucket on the
 state's :class:`~.worker.Worker`. On the worker, :class:`CommHookState` reduces the
@@ -10,6 +11,7 @@ last bucket of an iteration, the hop residuals of units not reduced are folded.
 
 Example:
     >>> from gradcomm.comm import run_ranks
+    >>> from gradcomm.integrations.ddp import make_comm_hook
     >>> def fn(t):
     ...     state, hook = make_comm_hook("int8", bits=4, transport=t)
     ...     state.close()
@@ -32,39 +34,13 @@ from ...errors import ConfigError, GradcommError
 from . import checkpoint
 from . import lifecycle
 from .groups import resolve_transports
+from .defaults import POWERSGD_RANK, default_start_iter
 from .momentum import (CORRECTED_CODECS, MASKED_CODECS, SGD_FEEDBACK_CODECS, OptimizerWatch, feedback_with,
                        found_momentum, momentum_correction, restored)
 from .replay import Replay
 from .residuals import ParameterResiduals
 from .routes import Routes
 from .worker import Worker
-
-
-#: dense backward passes that ``start_iter="auto"`` runs first for a sparsifier below 1 %
-#: (measured in bench/converge.py: bench/RESULTS.md, issue 13)
-SPARSE_WARMUP = 100
-#: ``make_comm_hook("powersgd")``'s rank, and its dense warm-up under ``start_iter="auto"``
-#: (rank 1, the codec's default, lost 7.6-8.2 points on a 10-class task; rank 4 after 50
-#: dense steps 0.7-1.3: bench/RESULTS.md, issue 13)
-POWERSGD_RANK, POWERSGD_WARMUP = 4, 50
-
-
-def default_start_iter(codec: Any) -> int:
-    """``start_iter="auto"``: :data:`SPARSE_WARMUP` for topk or randomk with a ratio
-    below 1 % (top-k 0.1 % loses points from the first steps' stale residuals),
-    :data:`POWERSGD_WARMUP` for PowerSGD, else 0.
-
-    Example:
-        >>> from gradcomm import compressors
-        >>> default_start_iter(compressors.get("topk", ratio=0.001)), \\
-        ...     default_start_iter(compressors.get("topk"))
-        (100, 0)
-    """
-    if codec is not None and codec.name == "powersgd":
-        return POWERSGD_WARMUP
-    if codec is None or codec.name not in MASKED_CODECS:      # the sparsifiers
-        return 0
-    return SPARSE_WARMUP if float(codec.get_config().get("ratio", 1.0)) < 0.01 else 0
 
 
 class UnboundModelWarning(UserWarning):
@@ -455,77 +431,6 @@ class CommHookState:
                 f"{self.transport.size}, iter={self.iter})")
 
 
-def make_comm_hook(compressor: Any = None, *, algorithm: str = "auto",
-                   error_feedback: bool = True, process_group: Any = None,
-                   transport: Any = None, start_iter: int | str = "auto", model: Any = None,
-                   **options: Any) -> tuple[CommHookState, Callable[..., Any]]:
-    """``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``.
-
-    Args:
-        compressor: None (plain averaging), a codec name with its options in
-            ``**options`` (e.g. ``ratio=0.01``), or a Compressor. ``"powersgd"``
-            without ``rank=`` gets rank :data:`POWERSGD_RANK` (4) here, not the codec's 1.
-        algorithm: any gradcomm allreduce algorithm the compressor composes with.
-        error_feedback: keep per-parameter residuals of the compression error.
-        process_group: DDP's process group (default: the default group). For an NCCL
-            group a gloo group over its ranks is created here for the hook's messages
-            (collective: every rank of the group calls ``make_comm_hook``).
-        transport: None (point-to-point over ``process_group``), ``"mpi"``
-            (``MPI.COMM_WORLD``, for jobs started with mpirun), an mpi4py communicator or a
-            gradcomm Transport.
-        start_iter: backward passes to run uncompressed first; ``"auto"``:
-            :data:`SPARSE_WARMUP` (100) for topk and randomk below 1 % (DGC's warm-up,
-            as dense steps: they cost 100 dense steps' bytes), 50 for ``powersgd``,
-            else 0.
-        model: the DDP model (or its module), to name residuals after its parameters.
-        optimizer: the training's optimizer; ``"auto"`` (default): the hook finds it
-            at its first ``step()`` (torch's global step pre-hook; the first backward
-            pass goes uncorrected); None: no optimizer, no watch. A
-            ``torch.optim.SGD`` with momentum turns
-            on **momentum correction** (:mod:`.momentum`, DGC) for ``topk``, ``randomk``
-            and ``onebit``: the hook compresses each rank's velocity instead of its
-            gradient and undoes SGD's own momentum on the result, so ``SGD(momentum=m)``
-            performs DGC's update. These codecs need it: their error feedback holds
-            mass back for many steps, and SGD's momentum then amplifies the stale
-            updates (top-k 1 % loses 2-6 points, random-k diverges; bench/RESULTS.md).
-            Other codecs' errors are small and fresh: not applied. Adam cannot be
-            corrected (a warning says so): use
-            :class:`gradcomm.integrations.onebit_adam.OneBitAdam`. ``terngrad`` keeps
-            error feedback with SGD (it diverges without) and drops it for any other
-            optimizer (Adam loses points to it).
-        momentum: hook-side momentum correction without ``optimizer``: the hook keeps
-            the velocity (factor ``momentum``) and returns the reduced velocity; use it
-            with momentum-free SGD.
-        guard: the **divergence guard** (:mod:`gradcomm.compressed.guard`): after a
-            bucket whose result or residuals hold a non-finite value (or a residual norm
-            above ``residual_bound`` times the largest earlier input norm) on any rank,
-            every rank resets that unit's residuals, codec state and velocity
-            (``stats["guard_resets"]``, a GuardWarning); one small allreduce per
-            compressed bucket. The NaN step's own result stays NaN, as AMP's scaler
-            expects; the later steps are finite.
-        residual_bound: see ``guard`` (default 1000; None: only non-finite values).
-        clip: **clipping that respects error feedback**: a reduced bucket longer than
-            ``clip`` times the sum of the ranks' input norms is scaled down to it and
-            what is cut off goes back into the residuals (nothing is lost, it arrives
-            later). ``"auto"``: ``sqrt(ratio)`` for ``randomk`` (unclipped, its error
-            feedback sends many steps' worth of a coordinate at once and diverges at
-            momentum 0.9), None (off) for the other codecs.
-        options: codec options, plus ``seed`` (stochastic codecs) and ``timeout``
-            (seconds per blocking wait).
-
-    Convergence (bench/converge.py, bench/RESULTS.md): the defaults find the optimizer
-    (momentum correction for topk, randomk and onebit with SGD; TernGrad's error feedback
-    with SGD only); ``start_iter`` (a few hundred steps) helps top-k 0.1 %; with AdamW use
-    :class:`~gradcomm.integrations.onebit_adam.OneBitAdam`.
-
-    See the module docstring for the steps, checkpoints and parity.
-    """
-    state = CommHookState(compressor, algorithm=algorithm, error_feedback=error_feedback,
-                          process_group=process_group, transport=transport,
-                          start_iter=start_iter, model=model, **options)
-    return state, comm_hook
-
-
 def comm_hook(state: CommHookState, bucket):  # type: ignore[no-untyped-def]
     """The DDP hook: queue ``bucket`` on ``state``'s worker; return its future.
 
@@ -566,5 +471,4 @@ def comm_hook(state: CommHookState, bucket):  # type: ignore[no-untyped-def]
     return fut
 
 
-__all__ = ["CommHookState", "POWERSGD_RANK", "POWERSGD_WARMUP", "SPARSE_WARMUP", "UnboundModelWarning", "comm_hook",
-           "default_start_iter", "make_comm_hook"]
+__all__ = ["CommHookState", "UnboundModelWarning", "comm_hook"]

@@ -1,0 +1,45 @@
+"""The DDP hook's measured defaults: warm-up lengths and PowerSGD's rank.
+
+``start_iter="auto"`` and ``make_comm_hook("powersgd")`` without ``rank=`` read them;
+the measurements behind each number are in bench/RESULTS.md (issue 13).
+
+Example:
+    >>> from gradcomm import compressors
+    >>> default_start_iter(compressors.get("powersgd")), POWERSGD_RANK
+    (50, 4)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .momentum import MASKED_CODECS
+
+#: dense backward passes that ``start_iter="auto"`` runs first for a sparsifier below 1 %
+#: (measured in bench/converge.py: bench/RESULTS.md, issue 13)
+SPARSE_WARMUP = 100
+#: ``make_comm_hook("powersgd")``'s rank, and its dense warm-up under ``start_iter="auto"``
+#: (rank 1, the codec's default, lost 7.6-8.2 points on a 10-class task; rank 4 after 50
+#: dense steps 0.7-1.3: bench/RESULTS.md, issue 13)
+POWERSGD_RANK, POWERSGD_WARMUP = 4, 50
+
+
+def default_start_iter(codec: Any) -> int:
+    """``start_iter="auto"``: :data:`SPARSE_WARMUP` for topk or randomk with a ratio
+    below 1 % (top-k 0.1 % loses points from the first steps' stale residuals),
+    :data:`POWERSGD_WARMUP` for PowerSGD, else 0.
+
+    Example:
+        >>> from gradcomm import compressors
+        >>> default_start_iter(compressors.get("topk", ratio=0.001)), \\
+        ...     default_start_iter(compressors.get("topk"))
+        (100, 0)
+    """
+    if codec is not None and codec.name == "powersgd":
+        return POWERSGD_WARMUP
+    if codec is None or codec.name not in MASKED_CODECS:      # the sparsifiers
+        return 0
+    return SPARSE_WARMUP if float(codec.get_config().get("ratio", 1.0)) < 0.01 else 0
+
+
+__all__ = ["POWERSGD_RANK", "POWERSGD_WARMUP", "SPARSE_WARMUP", "default_start_iter"]

@@ -1,0 +1,91 @@
+"""``make_comm_hook``: the DDP hook's front door, its options and their defaults.
+
+Example:
+    >>> from gradcomm.comm import run_ranks
+    >>> def fn(t):
+    ...     state, hook = make_comm_hook("topk", ratio=0.01, transport=t)
+    ...     state.close()
+    ...     return hook is comm_hook
+    >>> run_ranks(1, fn)
+    [True]
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from .hook import CommHookState, comm_hook
+
+
+def make_comm_hook(compressor: Any = None, *, algorithm: str = "auto",
+                   error_feedback: bool = True, process_group: Any = None,
+                   transport: Any = None, start_iter: int | str = "auto", model: Any = None,
+                   **options: Any) -> tuple[CommHookState, Callable[..., Any]]:
+    """``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``.
+
+    Args:
+        compressor: None (plain averaging), a codec name with its options in
+            ``**options`` (e.g. ``ratio=0.01``), or a Compressor. ``"powersgd"``
+            without ``rank=`` gets rank :data:`~.defaults.POWERSGD_RANK` (4) here, not the codec's 1.
+        algorithm: any gradcomm allreduce algorithm the compressor composes with.
+        error_feedback: keep per-parameter residuals of the compression error.
+        process_group: DDP's process group (default: the default group). For an NCCL
+            group a gloo group over its ranks is created here for the hook's messages
+            (collective: every rank of the group calls ``make_comm_hook``).
+        transport: None (point-to-point over ``process_group``), ``"mpi"``
+            (``MPI.COMM_WORLD``, for jobs started with mpirun), an mpi4py communicator or a
+            gradcomm Transport.
+        start_iter: backward passes to run uncompressed first; ``"auto"``:
+            :data:`~.defaults.SPARSE_WARMUP` (100) for topk and randomk below 1 % (DGC's warm-up,
+            as dense steps: they cost 100 dense steps' bytes), 50 for ``powersgd``,
+            else 0.
+        model: the DDP model (or its module), to name residuals after its parameters.
+        optimizer: the training's optimizer; ``"auto"`` (default): the hook finds it
+            at its first ``step()`` (torch's global step pre-hook; the first backward
+            pass goes uncorrected); None: no optimizer, no watch. A
+            ``torch.optim.SGD`` with momentum turns
+            on **momentum correction** (:mod:`.momentum`, DGC) for ``topk``, ``randomk``
+            and ``onebit``: the hook compresses each rank's velocity instead of its
+            gradient and undoes SGD's own momentum on the result, so ``SGD(momentum=m)``
+            performs DGC's update. These codecs need it: their error feedback holds
+            mass back for many steps, and SGD's momentum then amplifies the stale
+            updates (top-k 1 % loses 2-6 points, random-k diverges; bench/RESULTS.md).
+            Other codecs' errors are small and fresh: not applied. Adam cannot be
+            corrected (a warning says so): use
+            :class:`gradcomm.integrations.onebit_adam.OneBitAdam`. ``terngrad`` keeps
+            error feedback with SGD (it diverges without) and drops it for any other
+            optimizer (Adam loses points to it).
+        momentum: hook-side momentum correction without ``optimizer``: the hook keeps
+            the velocity (factor ``momentum``) and returns the reduced velocity; use it
+            with momentum-free SGD.
+        guard: the **divergence guard** (:mod:`gradcomm.compressed.guard`): after a
+            bucket whose result or residuals hold a non-finite value (or a residual norm
+            above ``residual_bound`` times the largest earlier input norm) on any rank,
+            every rank resets that unit's residuals, codec state and velocity
+            (``stats["guard_resets"]``, a GuardWarning); one small allreduce per
+            compressed bucket. The NaN step's own result stays NaN, as AMP's scaler
+            expects; the later steps are finite.
+        residual_bound: see ``guard`` (default 1000; None: only non-finite values).
+        clip: **clipping that respects error feedback**: a reduced bucket longer than
+            ``clip`` times the sum of the ranks' input norms is scaled down to it and
+            what is cut off goes back into the residuals (nothing is lost, it arrives
+            later). ``"auto"``: ``sqrt(ratio)`` for ``randomk`` (unclipped, its error
+            feedback sends many steps' worth of a coordinate at once and diverges at
+            momentum 0.9), None (off) for the other codecs.
+        options: codec options, plus ``seed`` (stochastic codecs) and ``timeout``
+            (seconds per blocking wait).
+
+    Convergence (bench/converge.py, bench/RESULTS.md): the defaults find the optimizer
+    (momentum correction for topk, randomk and onebit with SGD; TernGrad's error feedback
+    with SGD only); ``start_iter`` (a few hundred steps) helps top-k 0.1 %; with AdamW use
+    :class:`~gradcomm.integrations.onebit_adam.OneBitAdam`.
+
+    See the module docstring for the steps, checkpoints and parity.
+    """
+    state = CommHookState(compressor, algorithm=algorithm, error_feedback=error_feedback,
+                          process_group=process_group, transport=transport,
+                          start_iter=start_iter, model=model, **options)
+    return state, comm_hook
+
+
+__all__ = ["make_comm_hook"]

@@ -18,9 +18,7 @@ first variant's) over it::
 
 from __future__ import annotations
 
-import argparse
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -29,24 +27,15 @@ import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import gradcomm  # noqa: E402
-from gradcomm.bench._util import parse_size  # noqa: E402
+from _ab import float32_count, options, timed, transport  # noqa: E402
 from gradcomm.bench.data import gaussian_input  # noqa: E402
-from gradcomm.comm.mpi import MPITransport  # noqa: E402
 from gradcomm.compressed import auto_route, routes  # noqa: E402
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--size", default="1e8", help="bytes of float32 (1e8, 64MiB, ...)")
-    ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--warmup", type=int, default=1, help="untimed rounds first (JIT)")
-    ap.add_argument("--variants", default="MPI_Allreduce,onebit/1,onebit/16,int8/1,int8/16")
-    a = ap.parse_args()
-    comm = MPI.COMM_WORLD
-    t = MPITransport(comm, timeout=300)
-    size = int(float(a.size)) if a.size.replace(".", "").replace("e", "").isdigit() \
-        else parse_size(a.size)
-    n = size // 4
+    a = options(__doc__, "MPI_Allreduce,onebit/1,onebit/16,int8/1,int8/16", warmup=True)
+    comm, t = transport()
+    n = float32_count(a.size)
     specs = a.variants.split(",")
     reducers = {s: gradcomm.Allreduce(t, op="mean", compressor=s.split("/")[0].split("@")[0],
                                       algorithm=s.split("@")[1] if "@" in s else "allgather")
@@ -66,13 +55,10 @@ def main() -> int:
             if "/" in s:
                 k = s.split("/")[1]
                 routes.GATHER_PIECES = None if k == "auto" else int(k)
-            comm.Barrier()
-            t0 = time.perf_counter()
             if s == "MPI_Allreduce":
-                comm.Allreduce(MPI.IN_PLACE, buf, MPI.SUM)
+                took, _ = timed(comm, lambda: comm.Allreduce(MPI.IN_PLACE, buf, MPI.SUM))
             else:
-                buf = reducers[s](buf, key="w")
-            took = comm.allreduce(time.perf_counter() - t0, MPI.MAX)
+                took, buf = timed(comm, lambda: reducers[s](buf, key="w"))
             if step >= 0:
                 times[s].append(took)
             outs[s] = buf

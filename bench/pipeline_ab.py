@@ -15,9 +15,7 @@ it::
 
 from __future__ import annotations
 
-import argparse
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -25,24 +23,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from gradcomm.bench._util import parse_size  # noqa: E402
+from _ab import float32_count, options, timed, transport  # noqa: E402
 from gradcomm.collectives import ring  # noqa: E402
 from gradcomm.comm.base import PIPELINE_CHUNK  # noqa: E402
-from gradcomm.comm.mpi import MPITransport  # noqa: E402
 from gradcomm.ops import Reducer  # noqa: E402
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--size", default="1e8", help="bytes of float32 (1e8, 64MiB, ...)")
-    ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--variants", default="MPI_Allreduce,0/0.5/8,64/16/8")
-    a = ap.parse_args()
-    comm = MPI.COMM_WORLD
-    t = MPITransport(comm, timeout=300)
-    size = int(float(a.size)) if a.size.replace(".", "").replace("e", "").isdigit() \
-        else parse_size(a.size)
-    n = size // 4
+    a = options(__doc__, "MPI_Allreduce,0/0.5/8,64/16/8")
+    comm, t = transport()
+    n = float32_count(a.size)
     x0 = (np.arange(n, dtype=np.float32) % 7) + t.rank
     buf = np.empty_like(x0)
     red = Reducer("sum", "float32")
@@ -63,10 +53,7 @@ def main() -> int:
     for _ in range(a.rounds):
         for s in specs:
             buf[:] = x0
-            comm.Barrier()
-            t0 = time.perf_counter()
-            call(s)
-            times[s].append(comm.allreduce(time.perf_counter() - t0, MPI.MAX))
+            times[s].append(timed(comm, lambda: call(s))[0])
             if expect is None:
                 expect = buf.copy()
             elif not np.array_equal(expect, buf):

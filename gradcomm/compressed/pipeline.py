@@ -91,24 +91,10 @@ def allgather(t: Transport, x: Any, f: Frames, seeds: Seeds, e: Any, chunks: int
             else:
                 f.decode_add_payload(payload, seg)
 
-    for i in range(min(depth, len(pieces))):
-        post(i)
-    for i, (lo, hi) in enumerate(pieces):
-        frame, _ = f.single(x[lo:hi], seeds.whole(), hi - lo, sizes[i],
-                            residual=None if e is None else e[lo:hi])
-        own.append(frame)
-        sends.extend(t.isend(frame, r, TAG_DATA) for r in peers)
-        while done < i + 1 and all(q.test() for q in recvs[done]):
-            if error is None:          # piece ``done`` is in: decode it while i+1 flies
-                try:
-                    decode(done)
-                except PayloadError as exc:
-                    error = exc
-            done += 1
-            if len(recvs) < len(pieces):
-                post(len(recvs))
-    while done < len(pieces):
-        t.waitall(recvs[done])
+    def settle() -> None:
+        """Decode piece ``done`` (its receives are complete; after a payload error only
+        the exchange goes on) and post the next piece's receives."""
+        nonlocal done, error
         if error is None:
             try:
                 decode(done)
@@ -117,6 +103,19 @@ def allgather(t: Transport, x: Any, f: Frames, seeds: Seeds, e: Any, chunks: int
         done += 1
         if len(recvs) < len(pieces):
             post(len(recvs))
+
+    for i in range(min(depth, len(pieces))):
+        post(i)
+    for i, (lo, hi) in enumerate(pieces):
+        frame, _ = f.single(x[lo:hi], seeds.whole(), hi - lo, sizes[i],
+                            residual=None if e is None else e[lo:hi])
+        own.append(frame)
+        sends.extend(t.isend(frame, r, TAG_DATA) for r in peers)
+        while done < i + 1 and all(q.test() for q in recvs[done]):
+            settle()                   # piece ``done`` is in: decode it while i+1 flies
+    while done < len(pieces):
+        t.waitall(recvs[done])
+        settle()
     t.waitall(sends)
     if error is not None:
         raise error

@@ -74,7 +74,8 @@ CHECKS: dict[str, tuple[str, ...]] = {
     "compressed": _pytest("tests/compressed/test_allreduce.py"),
     "replay": _pytest("tests/bench/test_replay.py"),
     "codecs": _pytest("tests/compressors/test_codecs.py", "tests/compressors/test_properties.py"),
-    "error_feedback": _pytest("tests/test_error_feedback.py"),
+    "error_feedback": _pytest("tests/error_feedback/test_feedback.py",
+                              "tests/error_feedback/test_keyed.py"),
     "powersgd": _pytest("tests/compressed/test_powersgd.py",
                         "tests/compressors/test_powersgd_codec.py"),
     "ddp_exact": _pytest("tests/integrations/ddp/test_ddp_hook.py", "-k",
@@ -132,7 +133,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # -- error feedback that forgets its residual
     Mutant("ef-forgets", "ErrorFeedback.residual hands out fresh zeros every call (the "
            "residual written last step is never added back)",
-           (Patch("gradcomm/error_feedback.py", "    dt = np.dtype(dtype)\n    e = table.get(name)\n",
+           (Patch("gradcomm/error_feedback/store.py", "    dt = np.dtype(dtype)\n    e = table.get(name)\n",
                   "    dt = np.dtype(dtype)\n    e = None\n"),),
            _EF),
     # -- a 'shared' seed that differs across ranks
@@ -175,13 +176,13 @@ MUTANTS: tuple[Mutant, ...] = (
            (Patch(_DDP_ROUTES,
                   "            result = self._compressed(view, plan, keys, lengths, check, step)",
                   "            result = 0 * self._compressed(view, plan, keys, lengths, check, step)"),
-            Patch("gradcomm/error_feedback.py", "        arrays.subtract(x, decoded, lay.flat)",
+            Patch("gradcomm/error_feedback/keyed.py", "        arrays.subtract(x, decoded, lay.flat)",
                   "        arrays.subtract(x, 0 * decoded, lay.flat)")),
            ("ddp_exact",)),
     Mutant("ddp-forgets-residual", "the DDP hook never adds a parameter's residual back",
-           (Patch("gradcomm/error_feedback.py", "            x[a:b] += lay.flat[a:b]\n",
+           (Patch("gradcomm/error_feedback/keyed.py", "            x[a:b] += lay.flat[a:b]\n",
                   "            pass\n"),
-            Patch("gradcomm/error_feedback.py", "        if kept:\n            x[a:b] += e\n",
+            Patch("gradcomm/error_feedback/keyed.py", "        if kept:\n            x[a:b] += e\n",
                   "        if kept:\n            pass\n")),
            ("ddp_exact", "error_feedback")),
     Mutant("ddp-device-route-unscaled", "the hook's device route (CUDA buckets; CPU ones "

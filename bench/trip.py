@@ -20,7 +20,7 @@ Every rank prints ``RESULT {json}`` with, per configuration:
   entered (a call into ``comm/`` from outside it: every send, receive and wait), united
   over the trip (``n_spine``; ``spine_max``: the most on one such stack). The others are
   leaf helpers, visited and left (arrays, kernels, payload format, seeds);
-- ``entries``: per bucket (the hook's calls), how often ``arrays/``, ``error_feedback.py``
+- ``entries``: per bucket (the hook's calls), how often ``arrays/``, ``error_feedback/``
   and ``integrations/ddp/residuals.py`` were entered from outside themselves
   (``arrays_from``: the callers of ``arrays/``, ``file:function``, with their counts);
 - ``seq``: the order of files entered (first 400 changes).
@@ -70,7 +70,7 @@ DATA = (np.ndarray, torch.Tensor, bytes, bytearray, memoryview, Payload)
 ON = [False]
 LOG: dict = {}
 #: the rooms whose entries per bucket are counted (a prefix of the file's path)
-ROOMS = ("arrays/", "error_feedback.py", "integrations/ddp/residuals.py")
+ROOMS = ("arrays/", "error_feedback/", "integrations/ddp/residuals.py")
 
 
 def _rel(filename: str) -> str | None:

@@ -26,7 +26,7 @@ def test_a_unit_is_reduced_with_a_keyed_store_of_per_parameter_pieces():
     unit = r.open(["a", "b"], [2, 3], x, 7)
     store = r.store                       # what the collective gets: not the hook's code
     assert isinstance(store, ResidualStore) and isinstance(store, KeyedResiduals)
-    assert unit in r.units and type(store).__module__ == "gradcomm.error_feedback"
+    assert unit in r.units and type(store).__module__ == "gradcomm.error_feedback.keyed"
     assert x.tolist() == [1, 3, 2, 3, 4] and r._residuals["a"].tolist() == [0, 0]
     assert store.step(unit) == 7 and store.flat_residual(unit, 5, np.float32) is None
     assert store.compensate(unit, x) is x and x.tolist() == [1, 3, 2, 3, 4]

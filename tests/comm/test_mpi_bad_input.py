@@ -66,6 +66,10 @@ def check_first_mismatches() -> list:
     from gradcomm.collectives import DENSE
     from gradcomm.comm import get_transport
 
+    # Each transport's first call (MPI_Comm_idup) has the same 1 s deadline as the cases, so
+    # the ranks line up first: process start-up, and the deadline a case ends in, skew them
+    # by more than that on a loaded machine.
+    MPI.COMM_WORLD.Barrier()
     t = get_transport(MPI.COMM_WORLD, timeout=1.0)
     out = []
     for alg in DENSE + ("auto",):
@@ -82,6 +86,7 @@ def check_first_mismatches() -> list:
                                                           check="first"))
             out.append([alg, change, got])
             t.close()                            # a fresh transport for the next case
+            MPI.COMM_WORLD.Barrier()
             t = get_transport(MPI.COMM_WORLD, timeout=1.0)
     return out
 

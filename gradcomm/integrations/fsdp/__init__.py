@@ -10,8 +10,7 @@ their residuals:
    AVG, SUM or PREMUL_SUM (gradient divide factor).
 2. The reduce-scatter adds the module's error-feedback residual, over the *whole* local
    gradient, to every segment it sends, compresses each once, exchanges them
-   (``algorithm="auto"``: all-to-all, the qgZ shape, on 3+ ranks; the chunked ring on 2),
-   and sums its own
+   (``algorithm="auto"``: the all-to-all, the qgZ shape), and sums its own
    shard in rank order (:mod:`gradcomm.compressed.reduce_scatter`); 16-bit reduce dtypes
    run the codec in float32. Residuals are kept where the gradient lives.
 3. FSDP2 divides (if it does), casts back to the parameter dtype and accumulates the
@@ -97,7 +96,7 @@ def compress_fsdp(model: Any, compressor: Any = None, *, error_feedback: bool = 
             (torch's own reduce-scatter, bitwise).
         error_feedback: keep a residual per module over its whole local gradient (only
             for lossy codecs that are contractions; others warn and run without).
-        algorithm: ``"auto"`` (ring on 2 ranks, else all-to-all), ``"alltoall"`` or
+        algorithm: ``"auto"`` (= all-to-all), ``"alltoall"`` or
             ``"ring"``.
         seed: seeds the stochastic codecs.
         replicate_group: HSDP: the ProcessGroup of the replicate dimension; the shards
@@ -107,11 +106,22 @@ def compress_fsdp(model: Any, compressor: Any = None, *, error_feedback: bool = 
             reduce-scatter the ranks agree (one small allreduce) whether a module's
             residuals went non-finite or past ``residual_bound`` times the largest
             gradient norm seen, and zero them on every rank (``state.guard.stats``).
-        weights: ``"int8"``: also quantize the parameter all-gather (a prototype of
-            ZeRO++'s qwZ, CPU float32 parameters only: :mod:`.allgather`); forward and
-            backward then compute with blockwise-int8 weights (``weight_bucket_size``
-            elements per block), the master shards stay exact. Default None: FSDP2's own
+        weights: ``"int8"``: also quantize the parameter all-gather (ZeRO++'s qwZ
+            shape, :mod:`.allgather`): forward and backward compute with blockwise-int8
+            weights (``weight_bucket_size`` elements per block) rounded to the param
+            dtype (float32, bfloat16 or float16 on CPU), the master shards, gradients and
+            optimizer step stay exact; asynchronous (a Work FSDP2 waits on), so it
+            overlaps compute wherever FSDP2 prefetches. Default None: FSDP2's own
             all-gather.
+
+    Which to pick (measured in bench/RESULTS.md, FSDP2 section): ``"int8"`` alone cuts
+    the reduce-scatter's bytes 4x but leaves the fp32 all-gather, which then carries most
+    of the step's bytes (at most 2.4x fewer than fp32 FSDP2 in all); add
+    ``weights="int8"`` when the link is the bottleneck: about 6x fewer bytes than fp32
+    and 4x fewer than bf16 FSDP2, at the same test accuracy in our runs, since every
+    forward sees weights within half a quantization level of a 256-element block. Keep
+    ``weights=None`` where forward must see the exact weights, or where the link is fast
+    enough that the quantization's CPU time costs more than the bytes save.
     """
     from torch.distributed.fsdp import FSDPModule
 
@@ -174,7 +184,7 @@ def compress_fsdp(model: Any, compressor: Any = None, *, error_feedback: bool = 
         if weights is not None:
             gather = QuantizedAllGather(
                 bucket_size=weight_bucket_size,
-                side_group=side_group(g.mesh_info.shard_process_group, sides))
+                side_group=side_group(g.mesh_info.shard_process_group, _GATHER_SIDES))
             module.set_custom_all_gather(gather)
             state.gathers[key] = gather
         if replicate_group is not None:
@@ -194,6 +204,9 @@ def compress_fsdp(model: Any, compressor: Any = None, *, error_feedback: bool = 
 
 #: the side groups made so far, by rank set (one per set and process)
 _SIDES: dict[tuple[int, ...], Any] = {}
+#: those of the quantized weight all-gathers: their worker thread runs while the main
+#: thread reduce-scatters on ``_SIDES``, so they never share a group
+_GATHER_SIDES: dict[tuple[int, ...], Any] = {}
 
 
 def side_group(group: Any, cache: dict[tuple[int, ...], Any]) -> Any:

@@ -5,7 +5,7 @@ work plus the copies each path makes), float32, error feedback on, for each code
 
 - ``fsdp``: :class:`gradcomm.integrations.fsdp.comm.CompressedReduceScatter`, the object
   ``compress_fsdp`` installs, called as FSDP2 calls it (a flat gradient, ``op=AVG``);
-  ``fsdp:alltoall`` / ``fsdp:ring`` pin the route (``auto`` = ring on 2 ranks);
+  ``fsdp:alltoall`` / ``fsdp:ring`` pin the route (``auto`` = alltoall);
 - ``ddp``: the DDP hook's per-bucket work (``make_comm_hook``'s state reducing one bucket
   on its transport: ``Routes.reduce``, the route ``auto`` picks, per-parameter residuals).
 

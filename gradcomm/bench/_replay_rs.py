@@ -142,12 +142,12 @@ def replay_reduce_scatter(inputs: Sequence[np.ndarray], *, dtype: str, op: str =
                           **options: Any) -> list[np.ndarray]:
     """Every rank's shard (storage dtype, in rank order) of a compressed reduce-scatter of
     ``inputs`` (one flat storage array per rank). ``algorithm``: ``"alltoall"``, ``"ring"``
-    or ``"auto"`` (ring on 2 ranks, else alltoall). ``residuals``: one ErrorFeedback per rank, updated as each
+    or ``"auto"`` (alltoall). ``residuals``: one ErrorFeedback per rank, updated as each
     rank's would be (the key's flat residual, its step advanced); ``step`` defaults to the
     key's step there (else 0)."""
     xs, n, stores = rank_inputs(inputs, residuals)
     p = len(xs)
-    route = ("ring" if p == 2 else "alltoall") if algorithm == "auto" else algorithm
+    route = "alltoall" if algorithm == "auto" else algorithm
     if route not in RS_ROUTES:
         raise ConfigError(f"replay: unknown reduce-scatter route {algorithm!r}")
     if step is None:

@@ -16,11 +16,12 @@ p *before* compressing):
 - ``ring`` (:mod:`gradcomm.collectives.reduce_scatter` on a
   :class:`~gradcomm.compressed.wire.CompressedWire`): p-1 steps, each partial sum decoded,
   added and re-encoded at every hop. Any codec; one more compression error per hop.
-- ``auto`` (:func:`auto_route`): ``ring`` on 2 ranks, where it is the same single
-  exchange with no re-compression, chunked so that encoding overlaps the wire (measured
-  faster over 1 Gbit/s, bench/RESULTS.md); ``alltoall`` on more (the same bytes as the
-  ring, p-1 messages in flight at once instead of p-1 steps in a row, and no
-  re-compression error).
+- ``auto`` (:func:`auto_route`): ``alltoall`` on any p. On 2 ranks both routes are one
+  exchange of the same chunked frames (the same bytes for deterministic codecs; qsgd and
+  terngrad draw other seeds); the all-to-all measured faster over 1 Gbit/s
+  (bench/train.py --fsdp, bench/RESULTS.md's FSDP2 section). On more it sends the same
+  bytes as the ring with p-1 messages in flight at once instead of p-1 steps in a row,
+  and no re-compression error.
 
 Per rank, for n elements, p ranks, ``F(m)`` the frame bound of an m-element segment
 (:meth:`~gradcomm.compressed.frames.Frames.bound`) and m_d the elements of segment d:
@@ -85,9 +86,9 @@ def auto_route(p: int) -> str:
 
     Example:
         >>> auto_route(2), auto_route(3)
-        ('ring', 'alltoall')
+        ('alltoall', 'alltoall')
     """
-    return "ring" if p == 2 else "alltoall"
+    return "alltoall"
 
 
 def check_algorithm(algorithm: str, name: str) -> None:

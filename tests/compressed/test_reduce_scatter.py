@@ -244,8 +244,8 @@ def test_errors_on_every_rank() -> None:
     assert contractive(compressors.get("int8"))
 
 
-def test_auto_is_the_ring_on_two_ranks_and_alltoall_above() -> None:
-    for p, route in [(2, "ring"), (3, "alltoall"), (4, "alltoall")]:
+def test_auto_is_the_alltoall_on_two_ranks_and_above() -> None:
+    for p, route in [(2, "alltoall"), (3, "alltoall"), (4, "alltoall")]:
         xs = [_input(r, 1003) for r in range(p)]
         got = run_ranks(p, lambda t: compressed_reduce_scatter(
             t, xs[t.rank].copy(), "float32", op="mean", algorithm="auto",

@@ -80,6 +80,9 @@ class TorchTransport(Transport):
     # busy as a deep window does not (a 64 MiB window made a 100 MB ring 1.4x slower, load
     # 18); messages of up to 16 MiB are as fast as 512 KiB ones (bench/RESULTS.md)
     max_chunk_bytes = NETWORK_MAX_CHUNK
+    # gloo's all_reduce of 8.7 MB of float16 at 1 Gbit/s: 77 ms, gradcomm's fp16 ring on
+    # the same bytes over this transport 135 ms (bench/RESULTS.md, issue 12)
+    native_preferred = True
 
     def __init__(self, group: Any = None, timeout: float = DEFAULT_TIMEOUT) -> None:
         import torch

@@ -11,7 +11,9 @@
 3. **host** (the rest, PowerSGD included): staged through host memory (copied there,
    reduced, copied back before the future completes; in place for CPU buckets).
    Uncompressed, ``"auto"`` means the library's own allreduce (what DDP runs) unless it
-   cannot reduce the dtype (16-bit floats under MPI).
+   cannot reduce the dtype (16-bit floats under MPI). Compressed by ``fp16``/``bf16``,
+   ``"auto"`` sums the 16-bit payload with the library's allreduce where the transport
+   prefers it (``native_preferred``: gloo), as PyTorch's fp16 hook does (:mod:`.cast`).
 
 A compressed unit is reduced in float32 (float64 for float64 buckets), with the
 hook's :class:`~gradcomm.error_feedback.KeyedResiduals` (indexed by
@@ -44,9 +46,11 @@ import numpy as np
 from ... import arrays
 from ..._plan import Reduction
 from ...collectives import DENSE, dense_allreduce
+from ...collectives._check import agree_args
 from ...comm.base import Transport
 from ...compressed.guard import DEFAULT_BOUND, Agreement, Guard, agreement
 from ...errors import ConfigError, UnsupportedError
+from . import cast
 from .momentum import MomentumCorrection
 from .residuals import ParameterResiduals, unit_key
 
@@ -55,6 +59,8 @@ from .residuals import ParameterResiduals, unit_key
 DEVICE_ALGORITHMS = ("auto", "allgather", "sparse_allgather", "ring", "tree",
                       "recursive_doubling", "rabenseifner")
 STAGED_CODECS = ("powersgd",)
+#: the plan's route of a 16-bit cast unit summed by the library (:mod:`.cast`)
+CAST_ROUTE = "native cast"
 
 
 #: plans kept per hook state (bucket layouts seen recently; more are re-planned)
@@ -311,6 +317,11 @@ class Routes:
 
         unit = self.residuals.open(keys, lengths, x, step, plan.unit)
         store, dtype = self.residuals.store, plan.work
+        if plan.route is None and self.algorithm == "auto" and \
+                cast.wire_dtype(self.transport, self.compressor, x) is not None:
+            plan.route, plan.codec = CAST_ROUTE, self.compressor
+        if plan.route == CAST_ROUTE:
+            return self._cast(x, plan, unit, check)
         if plan.route is not None and not check:
             return run(self.transport, x, dtype, "sum", plan.route, plan.codec, self.seed,
                        step, store, unit)
@@ -321,6 +332,20 @@ class Routes:
                                    check=check, seed=self.seed, residuals=store, key=unit)
         if plan.route is None and self.compressor.name not in STAGED_CODECS:
             plan.route, plan.codec = self._route_of(x, dtype)
+        return out
+
+    def _cast(self, x: np.ndarray, plan: Plan, unit: str, check: bool) -> np.ndarray:
+        """:mod:`.cast`'s route: the 16-bit payload summed by the library's allreduce
+        (arguments agreed first as ``compressed_allreduce`` agrees them, this route
+        named, so a rank taking another route is told, not hung)."""
+        t, codec = self.transport, plan.codec
+        if check:
+            agree_args(t, "compressed allreduce", None, count=arrays.size(x),
+                       dtype=plan.work, op="sum", algorithm=f"auto ({CAST_ROUTE})",
+                       compressor=codec.name, config=dict(codec.get_config()),
+                       seed=self.seed, key=unit, error_feedback=self.residuals.store.enabled)
+        out = cast.allreduce(t, x, codec, self.residuals.store, unit)
+        self.stats["native_nbytes"] += 2 * arrays.size(x)
         return out
 
     def _route_of(self, x: Any, dtype: str) -> tuple[str, Any]:
@@ -351,4 +376,4 @@ class Routes:
 
 
 
-__all__ = ["DEVICE_ALGORITHMS", "PLAN_LIMIT", "Plan", "Routes", "STAGED_CODECS"]
+__all__ = ["CAST_ROUTE", "DEVICE_ALGORITHMS", "PLAN_LIMIT", "Plan", "Routes", "STAGED_CODECS"]

@@ -693,7 +693,100 @@ def check_errors() -> None:
             INFO["sparse"] = type(exc).__name__
 
 
-CHECKS = {"exact": check_exact, "parity": check_parity, "warmup": check_warmup, "compressors": check_compressors, "rebuild": check_rebuild,
+def _cast16(x: np.ndarray, codec: str) -> np.ndarray:
+    """float32 ``x`` rounded to ``codec``'s 16 bits (nearest even) and widened back."""
+    if codec == "fp16":
+        return x.astype(np.float16).astype(np.float32)
+    u = x.view(np.uint32).astype(np.uint64)             # finite inputs: no NaN handling
+    b = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint32)
+    return (b << 16).view(np.float32)
+
+
+def check_cast(steps: int = 4) -> None:
+    """fp16/bf16 with ``algorithm="auto"`` on gloo take the cast route (the 16-bit payload
+    summed by gloo's allreduce; no gradcomm messages): every rank's bucket input times
+    fl(1/p) plus its residual is rounded to 16 bits once, the residual keeps exactly what
+    the rounding lost, and the result, the same bytes on every rank, is the 16-bit sum:
+    bitwise (an independent replay of the sum) at p = 2, where the sum of two values has one
+    rounding, within one rounding per addition of the exact sum at p > 2 (gloo's order);
+    gradcomm's own messages are only the argument checks."""
+    from gradcomm.integrations.ddp.routes import CAST_ROUTE
+
+    p, me = dist.get_world_size(), dist.get_rank()
+    done = []
+    for codec in ("fp16", "bf16"):
+        module = make_model()
+        names = {id(q): n for n, q in module.named_parameters()}
+        state, _ = make_comm_hook(codec, model=module, transport=TRANSPORT)
+        ddp = DDP(module, bucket_cap_mb=CAP)
+        calls: list = []
+        ddp.register_comm_hook(state, _recording(names, calls))
+        opt = torch.optim.SGD(module.parameters(), lr=0.05)
+        owed = [dict() for _ in range(p)]               # rank -> parameter -> residual
+        worst = 0.0
+        for step in range(steps):
+            calls.clear()
+            opt.zero_grad()
+            loss_of(ddp, batch(step)).backward()
+            layout = [(k, n) for k, n, _, _ in calls]
+            got = torch.cat([f.value().detach().reshape(-1).clone() for *_, f in calls])
+            inputs = torch.cat([c[2].reshape(-1) for c in calls])
+            every = [torch.empty_like(inputs) for _ in range(p)]
+            dist.all_gather(every, inputs)
+            opt.step()
+            if not same_everywhere(got):
+                fail(f"cast {codec} step {step}: results differ across ranks")
+                break
+            want, exact = [], []
+            at = 0
+            for keys, lengths in layout:
+                m = sum(lengths)
+                xs = []
+                for r in range(p):
+                    x = every[r][at:at + m].numpy() * np.float32(1.0 / p)
+                    x += np.concatenate([owed[r].get(k, np.zeros(n, np.float32))
+                                         for k, n in zip(keys, lengths)])
+                    h = _cast16(x, codec)
+                    e, a = x - h, 0
+                    for k, n in zip(keys, lengths):
+                        owed[r][k] = e[a:a + n]
+                        a += n
+                    xs.append(h)
+                want.append(_cast16(xs[0] + xs[1], codec) if p == 2 else None)
+                exact.append((np.sum(xs, axis=0, dtype=np.float64),
+                              np.sum(np.abs(xs), axis=0, dtype=np.float64)))
+                at += m
+            g = got.numpy()
+            if p == 2 and g.tobytes() != np.concatenate(want).tobytes():
+                bad = np.flatnonzero(g != np.concatenate(want))
+                fail(f"cast {codec} step {step}: {bad.size} of {g.size} elements differ "
+                     f"from the 16-bit sum (first {bad[:5].tolist()})")
+                break
+            total, scale = (np.concatenate(v) for v in zip(*exact))
+            ulp = 2.0 ** (-10 if codec == "fp16" else -7)
+            err = np.abs(g - total) / np.maximum(scale * ulp * (p - 1), 1e-30)
+            worst = max(worst, float(err.max()))
+            if not err.max() <= 1.0:
+                fail(f"cast {codec} step {step}: result off the sum by {err.max():.2f} "
+                     "roundings")
+                break
+        state.flush()
+        for k, e in owed[me].items():
+            if np.asarray(state.residuals._residuals.get(k, 0.0)).tobytes() != e.tobytes():
+                fail(f"cast {codec}: residual {k} is not what the rounding lost")
+                break
+        routes = {plan.route for plan in state.routes.plans.values()}
+        # gradcomm's own messages: the argument checks of new shapes alone (a ring would
+        # send 2(p-1)/p of the 16-bit values)
+        if routes != {CAST_ROUTE} or state.stats["native_nbytes"] != 2 * steps * \
+                inputs.numel() or 10 * state.stats["bytes_sent"] > state.stats["native_nbytes"]:
+            fail(f"cast {codec}: routes {routes}, stats {state.stats}")
+        done.append(f"{codec}: {steps} steps, worst {worst:.2f} roundings")
+        state.close()
+    INFO["cast"] = done
+
+
+CHECKS = {"cast": check_cast, "exact": check_exact, "parity": check_parity, "warmup": check_warmup, "compressors": check_compressors, "rebuild": check_rebuild,
           "resume": check_resume, "join": check_join, "resize": check_resize,
           "errors": check_errors}
 

@@ -122,6 +122,7 @@ class MomentumCorrection:
         self.momentum, self.undo, self.mask = float(momentum), float(optimizer_momentum), mask
         self._velocity: dict[str, Any] = {}
         self._previous: dict[str, Any] = {}
+        self._spare: dict[str, Any] = {}        # a buffer per key for the next result
 
     def _slices(self, keys: Sequence[str], lengths: Sequence[int]):
         a = 0
@@ -152,11 +153,23 @@ class MomentumCorrection:
                     u[o != 0] = 0
             if self.undo:
                 prev = self._placed(self._previous, k, o)
-                now = arrays.clone(o)
-                if prev is not None and arrays.size(prev) == b - a and \
-                        arrays.is_host(prev) == arrays.is_host(o):
-                    o -= self.undo * prev
-                self._previous[k] = now
+                if prev is None or arrays.size(prev) != b - a or \
+                        arrays.is_host(prev) != arrays.is_host(o):
+                    self._previous[k] = arrays.clone(o)
+                    continue
+                # the result is kept in the buffer held two steps ago, and the product is
+                # formed in the previous result's own buffer: no 2 new arrays per step
+                # (page faults); the same bytes as out - m_opt * out_prev
+                now = self._spare.pop(k, None)
+                if now is None or arrays.size(now) != b - a or \
+                        arrays.dtype_name(now) != arrays.dtype_name(o) or \
+                        arrays.is_host(now) != arrays.is_host(o):
+                    now = arrays.clone(o)
+                else:
+                    arrays.assign(now, o)
+                prev *= self.undo
+                o -= prev
+                self._previous[k], self._spare[k] = now, prev
 
     @staticmethod
     def _placed(table: dict[str, Any], k: str, ref: Any) -> Any:
@@ -183,12 +196,14 @@ class MomentumCorrection:
         device on first use)."""
         self._velocity = {k: np.array(v, copy=True) for k, v in velocity.items()}
         self._previous = {k: np.array(v, copy=True) for k, v in previous.items()}
+        self._spare = {}
 
     def reset(self, keys: Sequence[str]) -> None:
         """Forget the velocity and previous result of ``keys`` (the guard's reset)."""
         for k in keys:
             self._velocity.pop(k, None)
             self._previous.pop(k, None)
+            self._spare.pop(k, None)
 
 
 class OptimizerWatch:

@@ -59,3 +59,35 @@ def test_an_optimizer_the_hook_cannot_undo_warns_inside_step():
     nesterov = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True)  # noqa
     with pytest.warns(UserWarning, match="stays off"):
         assert _found("topk", nesterov) == (True, None, True, False)
+
+
+def test_the_optimizers_momentum_is_undone_step_after_step_in_reused_buffers():
+    """``after`` over several steps: out_t - m_opt * out_{t-1} bitwise (float32, as
+    formed before buffers were reused), the previous result the last one, for two keys,
+    across a reset and a key whose length changes."""
+    import numpy as np
+
+    from gradcomm.integrations.ddp.momentum import MomentumCorrection
+
+    rng = np.random.default_rng(3)
+    mc = MomentumCorrection(0.9, optimizer_momentum=0.9)
+    keys, prev = ["w", "b"], {}
+    for step in range(6):
+        n = 5 if step < 4 else 3                 # "b" changes length at step 4
+        lengths = [7, n]
+        out = (rng.standard_normal(7 + n) * 10 ** rng.uniform(-3, 3, 7 + n)).astype(np.float32)
+        raw = out.copy()
+        if step == 2:
+            mc.reset(["w"])
+            prev.pop("w")
+        mc.after(keys, lengths, out)
+        want = raw.copy()
+        for k, a, b in (("w", 0, 7), ("b", 7, 7 + n)):
+            p = prev.get(k)
+            if p is not None and p.size == b - a:
+                want[a:b] = raw[a:b] - np.float32(0.9) * p
+            prev[k] = raw[a:b].copy()
+        assert out.tobytes() == want.tobytes(), step
+        state = mc.local_state()["previous"]
+        assert {k: v.tobytes() for k, v in state.items()} == \
+            {k: v.tobytes() for k, v in prev.items()}, step

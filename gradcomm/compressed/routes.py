@@ -229,21 +229,35 @@ def _decode_sum(f: Frames, payloads: list[Payload], x: Any) -> None:
 
 
 def run(t: Transport, buf: Any, dtype: str, op: str, route: str, codec: Compressor,
-        seed: int, step: int, ef: ResidualStore | None, key: str) -> Any:
+        seed: int, step: int, ef: ResidualStore | None, key: str,
+        feedback: bool | None = None) -> Any:
     """Allreduce flat storage ``buf`` of logical ``dtype`` (op ``sum`` or ``mean``) by
     ``route`` (a per-hop algorithm, ``allgather`` or ``sparse_allgather``: decided by the
-    caller) through ``codec``; returns the result (``buf``, overwritten)."""
+    caller) through ``codec``; returns the result (``buf``, overwritten). ``feedback``:
+    whether ``ef``'s residuals apply, if the caller decided it already (as
+    :func:`feeds_back` does; None: decided here)."""
     with arrays.device_scope(buf):         # cupy: kernels and new arrays on buf's device
-        return _run(t, buf, dtype, op, route, codec, seed, step, ef, key)
+        return _run(t, buf, dtype, op, route, codec, seed, step, ef, key, feedback)
+
+
+def feeds_back(t: Transport, route: str, codec: Compressor, ef: ResidualStore | None
+               ) -> bool:
+    """Whether :func:`run` applies ``ef``'s residuals with ``codec`` on ``route``: an
+    enabled store, a lossy codec, stable under error feedback on this route
+    (:func:`~gradcomm.error_feedback.contractive`)."""
+    hops = t.size > 1 and route in HOP_ALGORITHMS
+    return bool(ef is not None and ef.enabled and codec.lossy
+                and contractive(codec, per_hop=hops))
 
 
 def _run(t: Transport, buf: Any, dtype: str, op: str, route: str, codec: Compressor,
-         seed: int, step: int, ef: ResidualStore | None, key: str) -> Any:
+         seed: int, step: int, ef: ResidualStore | None, key: str,
+         feedback: bool | None) -> Any:
     """:func:`run` in ``buf``'s device scope."""
     p, n = t.size, arrays.size(buf)
-    hops = p > 1 and route in HOP_ALGORITHMS
-    ef = ef if (ef is not None and ef.enabled and codec.lossy
-                and contractive(codec, per_hop=hops)) else None
+    if feedback is None:
+        feedback = feeds_back(t, route, codec, ef)
+    ef = ef if feedback else None
     pre_divide = op == "mean" and codec.lossy and p > 1
     if p == 1 or n == 0:
         x = _widen(buf, dtype, None)

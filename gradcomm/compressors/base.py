@@ -20,7 +20,7 @@ Example:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -30,6 +30,24 @@ from . import _kernels
 from ._kernels import FusedKernels
 from .payload import FLOAT_DTYPES, Payload
 
+
+class CodecPlan(Protocol):
+    """A codec's work on host float32 arrays of one element count, decided once
+    (:meth:`Compressor.plan`: kernel module, sizes, header): the same bytes as
+    ``compress`` / ``decompress``, written into and read from the payload's buffers laid
+    out by the caller (``views``: buffer name -> a flat numpy view of the right dtype and
+    count, as in the payload ``compress`` makes).
+    """
+
+    #: the encoding draws from ``seed`` (else ``encode`` ignores it)
+    seeded: bool
+
+    def encode(self, x: np.ndarray, seed: Any, views: Mapping[str, np.ndarray]) -> None:
+        """Fill ``views`` with the payload buffers of ``compress(x, seed=seed)``."""
+
+    def decode(self, views: Mapping[str, np.ndarray], out: np.ndarray, add: bool) -> None:
+        """``out = decode`` (``add``: ``out = decode + out``) of the buffers ``views`` of
+        a payload whose header is the planned one."""
 
 
 class Compressor(ABC):
@@ -43,8 +61,9 @@ class Compressor(ABC):
 
     Subclasses implement :meth:`decompress`, :meth:`max_nbytes` and :meth:`_encode`
     (``compress`` validates and composes around it) or ``compress`` itself; they may
-    override :meth:`decompress_sum` with a fused kernel, and :meth:`to_sparse` when they
-    declare ``sparse_pairs``.
+    override :meth:`decompress_sum` with a fused kernel, :meth:`to_sparse` when they
+    declare ``sparse_pairs``, and :meth:`plan` when their payloads of one count have a
+    fixed layout.
 
     Example:
         >>> import numpy as np
@@ -161,6 +180,12 @@ class Compressor(ABC):
             with np.errstate(invalid="ignore", over="ignore"):
                 total += self.decompress(p, out=part)
         return total
+
+    def plan(self, n: int, dtype: str) -> CodecPlan | None:
+        """The :class:`CodecPlan` for host arrays of ``n`` elements of ``dtype`` whose
+        payloads all have one header and buffer layout (None: this codec, or these
+        options, do not plan; callers then use :meth:`compress` and :meth:`decompress`)."""
+        return None
 
     def to_sparse(self, payload: Payload, out: Any = None
                   ) -> tuple[int, np.dtype, Any, Any]:

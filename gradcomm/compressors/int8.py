@@ -153,6 +153,25 @@ class Int8Compressor(Compressor):
                             r.buffer("unit", "float32", nb), tmp, add and tmp is out)
         return _kernels.f32_finish(tmp, out, k, add)
 
+    def plan(self, n: int, dtype: str) -> _MinMaxPlan | None:
+        """Per-bucket mode on float32: the kernels for ``n`` elements, chosen once.
+
+        Example:
+            >>> import numpy as np
+            >>> c = Int8Compressor(bucket_size=8); x = np.linspace(-1, 1, 12, dtype=np.float32)
+            >>> p = c.compress(x); plan = c.plan(12, "float32")
+            >>> views = {k: np.empty_like(v) for k, v in p.buffers.items()}
+            >>> plan.encode(x, None, views)
+            >>> all(np.array_equal(views[k], p.buffers[k]) for k in views)
+            True
+            >>> out = np.empty(12, np.float32); plan.decode(views, out, False)
+            >>> bool(np.array_equal(out, c.decompress(p)))
+            True
+        """
+        if self.scale is not None or dtype != "float32":
+            return None
+        return _MinMaxPlan(self, n)
+
     def max_nbytes(self, n: int, dtype: str = "float32") -> int:
         h = self._header(n, dtype_code(dtype))
         bufs = [("q", "uint8", (n * self.bits + 7) // 8)]
@@ -160,3 +179,24 @@ class Int8Compressor(Compressor):
             nb = -(-n // self.bucket_size)
             bufs = [("lo", "float32", nb), ("unit", "float32", nb)] + bufs
         return payload_nbytes(self.name, h, bufs)
+
+
+class _MinMaxPlan:
+    """:meth:`Int8Compressor.plan`: per-bucket encode and decode of ``n`` float32 values
+    with the kernel module :func:`~._kernels.for_size` picks for ``n`` (the one
+    ``compress`` and ``decompress`` use)."""
+
+    def __init__(self, c: Int8Compressor, n: int) -> None:
+        self.n, self.bits, self.bs = n, c.bits, c.bucket_size
+        self.seeded = c.rounding == "stochastic"
+        self.k = _kernels.for_size(n)
+        self._key = np.zeros(4, np.uint32)
+
+    def encode(self, x: np.ndarray, seed: Any, views: Any) -> None:
+        key = seed_words(seed) if self.seeded else self._key
+        self.k.minmax_encode(x, self.bs, self.bits, self.seeded, key, views["lo"],
+                             views["unit"], views["q"])
+
+    def decode(self, views: Any, out: np.ndarray, add: bool) -> None:
+        self.k.minmax_decode(views["q"], self.n, self.bs, self.bits, views["lo"],
+                             views["unit"], out, add)

@@ -20,10 +20,13 @@ TRIP = Path(__file__).resolve().parents[2] / "bench" / "trip.py"
 #: most distinct gradcomm files per configuration: the bucket's own trip (guard off),
 #: and with the divergence guard's per-bucket agreement (on by default:
 #: compressed/guard.py and a small dense allreduce on the algorithm the plan resolved).
-#: One more than before the error_feedback package split: its store.py joins the trip
-#: through contractive(), asked per bucket (the plan decides it once in the next step)
-BOUNDS = {"int8:auto:guard=false": 21, "topk:ring:guard=false": 29, "int8:auto": 26,
+#: int8 runs the gathered route its plan laid out (compressed/planned.py: no frames,
+#: payload, seeds, option or kernel-choice files per bucket): 14 and 19 files; topk on
+#: the per-hop ring 29 and 33 (its hop residuals come from error_feedback/store.py)
+BOUNDS = {"int8:auto:guard=false": 14, "topk:ring:guard=false": 29, "int8:auto": 19,
           "topk:ring": 33}
+#: files on the data path (functions given the bucket's arrays, bytes or payloads)
+DATA = {"int8:auto:guard=false": 12, "int8:auto": 17}
 #: most distinct files on the call stacks when the transport is entered (hook -> wire,
 #: the rule's 8), united over the trip: measured 6 (int8, allgather), 7 (topk, ring:
 #: comm/torch_dist.py too) and 8 (int8 with the guard's agreement: guard.py and
@@ -31,7 +34,8 @@ BOUNDS = {"int8:auto:guard=false": 21, "topk:ring:guard=false": 29, "int8:auto":
 SPINE = {"int8:auto:guard=false": 6, "topk:ring:guard=false": 7, "int8:auto": 8}
 SPINE_ONE = 6
 #: the same trips on a model of 16 parameters instead of 4 (layers=8): a bucket enters
-#: arrays/ and the residual store (error_feedback/) as often (40 and 6 times, int8), not per parameter
+#: arrays/ and the residual store (error_feedback/) as often (4 and 4 times, int8), not
+#: per parameter
 WIDE = {cfg: cfg + ":layers=8" for cfg in ("int8:auto:guard=false", "topk:ring:guard=false")}
 
 
@@ -46,6 +50,13 @@ def test_a_bucket_never_climbs_back_into_the_hook_during_the_collective():
             assert trip["spine_max"] <= SPINE_ONE, f"{where}: {trip['spine_max']}"
             assert "comm/base.py" in trip["spine"] and \
                 "integrations/ddp/worker.py" in trip["spine"], f"{where}: {trip['spine']}"
+        for cfg, bound in DATA.items():
+            trip = r["trips"][cfg]
+            assert trip["n_data"] <= bound, f"rank {r['rank']} {cfg}: {trip['data']}"
+            assert "compressed/planned.py" in trip["files"] and not {
+                "compressed/frames.py", "compressors/payload.py", "compressors/base.py",
+                "compressed/seeds.py", "compressors/_kernels/__init__.py"} & set(
+                trip["files"]), trip["files"]                   # the layout's plan ran
         guarded = r["trips"]["int8:auto"]["files"]            # the guard's route planned
         assert "compressed/guard.py" in guarded and not {
             "collectives/__init__.py", "collectives/auto.py"} & set(guarded), guarded

@@ -74,7 +74,9 @@ class Plan:
     the unit's key, the working dtype (float64 buckets: float64, else float32) and, for
     compressed units, the ``route`` and ``codec`` the collective
     runs (None until the first reduction decided them; PowerSGD: always None, its
-    rounds are planned per call), and how the divergence guard's ranks agree
+    rounds are planned per call), the allgather route laid out for this count
+    (``gather``: :func:`~gradcomm.compressed.planned.plan_gather`, where the codec plans),
+    and how the divergence guard's ranks agree
     (:func:`~gradcomm.compressed.guard.agreement`, resolved at its first check)."""
 
     where: str
@@ -83,6 +85,10 @@ class Plan:
     route: str | None = None
     codec: Any = None
     agree: Agreement | None = None
+    #: whether the route applies the residuals (:func:`~gradcomm.compressed.routes.feeds_back`)
+    feedback: bool | None = None
+    #: the planned gathered route (:mod:`gradcomm.compressed.planned`), or None
+    gather: Any = None
 
 
 class Routes:
@@ -313,7 +319,7 @@ class Routes:
         else (the layout's first reduction, a new shape to agree on, PowerSGD) through
         ``compressed_allreduce``, whose route the plan then keeps."""
         from ...compressed import compressed_allreduce
-        from ...compressed.routes import run
+        from ...compressed.routes import feeds_back, run
 
         unit = self.residuals.open(keys, lengths, x, step, plan.unit)
         store, dtype = self.residuals.store, plan.work
@@ -323,8 +329,10 @@ class Routes:
         if plan.route == CAST_ROUTE:
             return self._cast(x, plan, unit, check)
         if plan.route is not None and not check:
+            if plan.gather is not None:
+                return plan.gather.run(self.transport, x, step, store)
             return run(self.transport, x, dtype, "sum", plan.route, plan.codec, self.seed,
-                       step, store, unit)
+                       step, store, unit, plan.feedback)
         if self.algorithm == "native":                  # PowerSGD's rounds, on the library
             self.stats["native_nbytes"] += self._native_nbytes(x, unit, step)
         out = compressed_allreduce(self.transport, x, dtype, op="sum",
@@ -332,6 +340,8 @@ class Routes:
                                    check=check, seed=self.seed, residuals=store, key=unit)
         if plan.route is None and self.compressor.name not in STAGED_CODECS:
             plan.route, plan.codec = self._route_of(x, dtype)
+            plan.feedback = feeds_back(self.transport, plan.route, plan.codec, store)
+            plan.gather = self._gather_plan(x, plan, unit)
         return out
 
     def _cast(self, x: np.ndarray, plan: Plan, unit: str, check: bool) -> np.ndarray:
@@ -347,6 +357,20 @@ class Routes:
         out = cast.allreduce(t, x, codec, self.residuals.store, unit)
         self.stats["native_nbytes"] += 2 * arrays.size(x)
         return out
+
+    def _gather_plan(self, x: Any, plan: Plan, unit: str) -> Any:
+        """The layout's :class:`~gradcomm.compressed.planned.PlannedGather` (the allgather
+        route of a float32 host unit, in one piece, with a codec that plans), else None;
+        whether the residuals feed back is decided here, as the route decides it."""
+        from ...compressed.planned import plan_gather
+        from ...compressed.routes import gather_pieces
+
+        codec, n = plan.codec, int(x.size) if isinstance(x, np.ndarray) else 0
+        if plan.route != "allgather" or plan.work != "float32" or not n or \
+                gather_pieces(self.transport, codec, n, "float32", 4) != 1:
+            return None
+        return plan_gather(self.transport, codec, n, unit, seed=self.seed,
+                           feedback=bool(plan.feedback))
 
     def _route_of(self, x: Any, dtype: str) -> tuple[str, Any]:
         """The route and codec ``compressed_allreduce`` ran ``x`` by (``auto`` decided as

@@ -1,0 +1,153 @@
+"""The gathered route planned for one buffer layout: what a caller that reduces the same
+count, dtype and key again and again (the DDP hook's buckets) decides once.
+
+:func:`plan_gather` lays out, once, the frame :mod:`~.frames` would send for ``n`` float32
+host elements of a codec whose payloads of one count have one header and buffer layout
+(:meth:`~gradcomm.compressors.base.Compressor.plan`): the frame's bytes up to the first
+buffer (part table, lead, payload prefix and header) and where each buffer lies. Each
+reduction (:meth:`PlannedGather.run`) then copies that prefix, lets the codec's plan write
+the buffers in place, allgathers the frames and decodes each peer's buffers where they
+lie, in rank order. A peer frame whose prefix is not byte-for-byte the planned one goes
+through the validated reading of :class:`~.frames.Frames` (which decodes it if it is a
+valid frame after all, else raises :class:`~gradcomm.errors.PayloadError` on every
+rank). The plan checks at build time that its frame is the bytes the unplanned route
+sends (:func:`plan_gather` returns None otherwise); results and residuals are the same
+bytes as :func:`~.routes.run` with ``route="allgather"``.
+
+Example:
+    >>> import numpy as np
+    >>> from gradcomm import compressors
+    >>> from gradcomm.comm import run_ranks
+    >>> from gradcomm.compressed.routes import run
+    >>> def fn(t):
+    ...     c = compressors.get("int8")
+    ...     g = plan_gather(t, c, 5, "w", seed=0, feedback=False)
+    ...     x = np.arange(5, dtype=np.float32) * (t.rank + 1)
+    ...     y = run(t, x.copy(), "float32", "sum", "allgather", c, 0, 0, None, "w")
+    ...     return g.run(t, x, step=0, ef=None).tobytes() == y.tobytes()
+    >>> run_ranks(2, fn)
+    [True, True]
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import numpy as np
+
+from ..collectives.allgather import allgatherv
+from ..comm.base import Transport
+from ..compressors.base import CodecPlan, Compressor, Payload
+from ..error_feedback import ResidualStore
+from ..errors import PayloadError
+from .frames import Frames
+from .state import Scratch, session
+
+
+class PlannedGather:
+    """The planned gathered route of one layout (see the module docstring): frames of
+    ``size`` bytes whose first ``head`` bytes are ``prefix``, buffers at ``bufs``
+    ``(name, dtype, offset, count)``, zeros from ``end``."""
+
+    def __init__(self, codec: Compressor, cplan: CodecPlan, n: int, key: str, seed: int,
+                 rank: int, feedback: bool, frame: np.ndarray, data: np.ndarray) -> None:
+        self.codec, self.cplan, self.n, self.key = codec, cplan, n, key
+        self.feedback = feedback
+        #: the seed tuple of Seeds.whole() but the step: (seed, crc32(key)), rank or ()
+        self._seed = ((seed, zlib.crc32(key.encode())), () if codec.shared_seed else (rank,))
+        self.size = int(frame.size)
+        at = frame.ctypes.data
+        bufs = [(name, b.dtype, b.ctypes.data - at, int(b.size))
+                for name, b in Payload.from_bytes(data).buffers.items()]
+        self.bufs = bufs
+        self.head = min(o for _, _, o, _ in bufs)
+        self.end = max(o + c * dt.itemsize for _, dt, o, c in bufs)
+        self.prefix = frame[:self.head].copy()
+        self.frames = Frames(codec, np.zeros(0, np.float32))    # the validated reading
+
+    def _views(self, frame: np.ndarray) -> dict[str, np.ndarray]:
+        return {name: frame[o:o + c * dt.itemsize].view(dt) for name, dt, o, c in self.bufs}
+
+    def write(self, frame: np.ndarray, x: np.ndarray, step: int) -> dict[str, np.ndarray]:
+        """Frame ``x`` (seeded by ``step``) into ``frame``; returns its buffers' views."""
+        frame[:self.head] = self.prefix
+        frame[self.end:] = 0
+        views = self._views(frame)
+        seed = None
+        if self.cplan.seeded:
+            (s, crc), tail = self._seed
+            seed = (s, step, crc, *tail)
+        self.cplan.encode(x, seed, views)
+        return views
+
+    def run(self, t: Transport, x: np.ndarray, step: int, ef: ResidualStore | None
+            ) -> np.ndarray:
+        """``x = Σ_ranks x`` (flat float32 host ``x`` of the planned count, in place)
+        through the codec, with ``ef``'s residual of the key when the plan feeds back;
+        returns ``x``."""
+        ef = ef if self.feedback and ef is not None and ef.enabled else None
+        n, size = self.n, self.size
+        with session(t) as scratch:
+            if ef is not None:
+                ef.compensate(self.key, x)
+            frame = scratch.arena.take(size)
+            views = self.write(frame, x, step)
+            if ef is not None:
+                dec = scratch.floats(0, n, np.float32)
+                self.cplan.decode(views, dec, False)
+                ef.update(self.key, x, dec)
+            landing = scratch.arena.take(size * t.size)
+            blocks = allgatherv(t, frame, sizes=np.full(t.size, size, np.int64),
+                                out=landing)
+            prefix = self.prefix
+            if all(np.array_equal(b[:self.head], prefix) for b in blocks):
+                for r, b in enumerate(blocks):
+                    self.cplan.decode(self._views(b), x, r > 0)
+            else:
+                self._checked_sum(blocks, x, scratch)
+        return x
+
+    def _checked_sum(self, blocks: list[np.ndarray], x: np.ndarray, scratch: Scratch
+                     ) -> None:
+        """``x = Σ decode(blocks)`` through :class:`~.frames.Frames`' validated reading
+        (some peer's frame is not laid out as planned)."""
+        f, n = self.frames, self.n
+        f.scratch = scratch
+        payloads = []
+        for r, b in enumerate(blocks):
+            try:
+                (_, _, data), = f.parts(b, n, 1)
+                payloads.append(f.payload(data, n))
+            except PayloadError as exc:
+                raise PayloadError(f"rank {r}'s payload: {exc}") from None
+        f.base = x
+        f.decode_payload(payloads[0], x)
+        for p in payloads[1:]:
+            f.decode_add_payload(p, x)
+
+
+def plan_gather(t: Transport, codec: Compressor, n: int, key: str, *, seed: int,
+                feedback: bool) -> PlannedGather | None:
+    """The :class:`PlannedGather` of ``n`` float32 host elements of ``key`` on ``t`` (seed
+    ``seed``; ``feedback``: the route applies the store's residual), or None where the
+    codec does not plan, ``n`` or ``p`` leave nothing to gather, or the planned frame
+    differs from the one :class:`~.frames.Frames` sends for the same input."""
+    cplan = codec.plan(n, "float32") if n and t.size > 1 else None
+    if cplan is None:
+        return None
+    # the frame Frames sends in the steady state (its layout learned by a first call),
+    # for an input that is not periodic
+    x = ((np.arange(n) * 7919 % 1031).astype(np.float32) - 515.0) / 97.0
+    f = Frames(codec, x, Scratch())
+    size, seed0 = f.bound(n), (seed, 0, zlib.crc32(key.encode()))
+    seed0 = seed0 if codec.shared_seed else (*seed0, t.rank)
+    f.single(x, seed0, n, size)
+    frame, data = f.single(x, seed0, n, size)
+    planned = PlannedGather(codec, cplan, n, key, seed, t.rank, feedback, frame, data)
+    mine = np.empty(size, np.uint8)
+    planned.write(mine, x, 0)
+    return planned if np.array_equal(mine, frame) else None
+
+
+__all__ = ["PlannedGather", "plan_gather"]

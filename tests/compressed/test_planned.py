@@ -1,0 +1,90 @@
+"""The gathered route planned once per layout (``gradcomm.compressed.planned``): on real
+thread ranks, over several error-feedback steps, the same result and residual bytes as the
+exact replay of the allgather route, for counts 1, < p, not divisible by the codec's
+bucket, and p = 2, 3, 5; a peer frame laid out otherwise goes through the validated
+reading (a corrupt one is a PayloadError on every rank); what does not plan."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gradcomm import compressors
+from gradcomm.bench.data import gaussian_input
+from gradcomm.bench.replay import replay
+from gradcomm.comm import run_ranks
+from gradcomm.compressed import planned
+from gradcomm.error_feedback import ErrorFeedback
+from gradcomm.errors import PayloadError
+
+STEPS = 3
+
+
+def _planned(p: int, n: int, options: dict) -> list:
+    def fn(t):
+        codec = compressors.get("int8", **options)
+        g = planned.plan_gather(t, codec, n, "w", seed=3, feedback=True)
+        assert g is not None
+        state, outs = ErrorFeedback(), []
+        for s in range(STEPS):
+            x = gaussian_input(t.rank + 7 * s, n, "float32")
+            outs.append(g.run(t, x, s, state).copy())
+        return outs, state._residuals["w"].copy()
+
+    return run_ranks(p, fn, timeout=120)
+
+
+@pytest.mark.parametrize("p,n,options", [
+    (2, 1, {}), (3, 2, {}), (3, 1000, {"bucket_size": 64}), (5, 777, {"bucket_size": 128}),
+    (2, 3000, {"bits": 4, "rounding": "stochastic", "bucket_size": 256}),
+    (3, 513, {"bits": 2, "rounding": "stochastic", "bucket_size": 64})])
+def test_planned_gather_is_the_replay(p: int, n: int, options: dict) -> None:
+    got = _planned(p, n, options)
+    stores = [ErrorFeedback() for _ in range(p)]
+    for s in range(STEPS):
+        ref = replay([gaussian_input(r + 7 * s, n, "float32") for r in range(p)],
+                     dtype="float32", op="sum", algorithm="allgather", compressor="int8",
+                     residuals=stores, key="w", seed=3, step=s, **options)
+        for r in range(p):
+            assert got[r][0][s].tobytes() == ref.tobytes(), (s, r)
+    for r in range(p):
+        assert got[r][1].tobytes() == stores[r]._residuals["w"].tobytes(), r
+
+
+def test_a_peer_frame_laid_out_otherwise_is_read_and_checked() -> None:
+    """Rank 1's frame differs from the plan in its prefix: every rank reads it through
+    Frames. A valid frame (the plan's own bytes, a header byte changed back) decodes to
+    the same sum; a corrupt one (the codec name) is a PayloadError on every rank."""
+    n = 300
+
+    def fn(t, corrupt):
+        codec = compressors.get("int8", bucket_size=64)
+        g = planned.plan_gather(t, codec, n, "w", seed=0, feedback=False)
+        if t.rank == 1:
+            g.prefix = g.prefix.copy()
+            at = bytes(g.prefix).find(b"int8")
+            g.prefix[at] = ord("x") if corrupt else ord("i")
+        x = gaussian_input(t.rank, n, "float32")
+        try:
+            return g.run(t, x, 0, None).copy()
+        except PayloadError as exc:
+            return str(exc)
+
+    ref = replay([gaussian_input(r, n, "float32") for r in range(2)], dtype="float32",
+                 op="sum", algorithm="allgather", compressor="int8", bucket_size=64)
+    for y in run_ranks(2, lambda t: fn(t, False), timeout=60):
+        assert y.tobytes() == ref.tobytes()
+    for y in run_ranks(2, lambda t: fn(t, True), timeout=60):
+        assert isinstance(y, str) and "rank 1's payload" in y, y
+
+
+def test_what_does_not_plan() -> None:
+    def fn(t):
+        get = compressors.get
+        return [planned.plan_gather(t, get(name, **opts), n, "w", seed=0, feedback=True)
+                is None for name, opts, n in (("fp16", {}, 10), ("int8", {"scale": 1.0}, 10),
+                                              ("int8", {}, 0), ("int8", {}, 10))]
+
+    assert run_ranks(2, fn) == [[True, True, True, False]] * 2
+    assert run_ranks(1, lambda t: planned.plan_gather(
+        t, compressors.get("int8"), 10, "w", seed=0, feedback=True)) == [None]

@@ -72,9 +72,39 @@ class OneBitCompressor(Bucketed):
         k.onebit_decode(q, n, bs, pos, neg, tmp, add and tmp is out)
         return _kernels.f32_finish(tmp, out, k, add)
 
+    def plan(self, n: int, dtype: str) -> _OneBitPlan | None:
+        """float32: the kernels for ``n`` elements, chosen once.
+
+        Example:
+            >>> x = np.linspace(-1, 1, 20, dtype=np.float32); c = OneBitCompressor(8)
+            >>> views = {k: np.empty_like(v) for k, v in c.compress(x).buffers.items()}
+            >>> c.plan(20, "float32").encode(x, None, views); out = np.empty(20, np.float32)
+            >>> c.plan(20, "float32").decode(views, out, False)
+            >>> bool(np.array_equal(out, c.decompress(c.compress(x))))
+            True
+        """
+        return _OneBitPlan(n, self.bucket_size) if dtype == "float32" else None
+
     def max_nbytes(self, n: int, dtype: str = "float32") -> int:
         bs = self.bucket_size
         nb = -(-n // bs)
         return payload_nbytes(self.name, {"n": n, "dt": dtype_code(dtype), "bs": bs},
                               [("pos", "float32", nb), ("neg", "float32", nb),
                                ("q", "uint8", (n + 7) // 8)])
+
+
+class _OneBitPlan:
+    """:meth:`OneBitCompressor.plan`: encode and decode of ``n`` float32 values with the
+    kernel module :func:`~._kernels.for_size` picks for ``n`` (as ``compress`` does)."""
+
+    seeded = False
+
+    def __init__(self, n: int, bs: int) -> None:
+        self.n, self.bs, self.k = n, bs, _kernels.for_size(n)
+
+    def encode(self, x: np.ndarray, seed: Any, views: Any) -> None:
+        self.k.onebit_encode(x, self.bs, views["pos"], views["neg"], views["q"])
+
+    def decode(self, views: Any, out: np.ndarray, add: bool) -> None:
+        self.k.onebit_decode(views["q"], self.n, self.bs, views["pos"], views["neg"], out,
+                             add)

@@ -1,7 +1,7 @@
 """The gathered route planned once per layout (``gradcomm.compressed.planned``): on real
 thread ranks, over several error-feedback steps, the same result and residual bytes as the
-exact replay of the allgather route, for counts 1, < p, not divisible by the codec's
-bucket, and p = 2, 3, 5; a peer frame laid out otherwise goes through the validated
+exact replay of the allgather route, for int8 and onebit, counts 1, < p, not divisible
+by the codec's bucket, and p = 2, 3, 5; a peer frame laid out otherwise goes through the validated
 reading (a corrupt one is a PayloadError on every rank); what does not plan."""
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from gradcomm.errors import PayloadError
 STEPS = 3
 
 
-def _planned(p: int, n: int, options: dict) -> list:
+def _planned(p: int, n: int, name: str, options: dict) -> list:
     def fn(t):
-        codec = compressors.get("int8", **options)
+        codec = compressors.get(name, **options)
         g = planned.plan_gather(t, codec, n, "w", seed=3, feedback=True)
         assert g is not None
         state, outs = ErrorFeedback(), []
@@ -34,16 +34,18 @@ def _planned(p: int, n: int, options: dict) -> list:
     return run_ranks(p, fn, timeout=120)
 
 
-@pytest.mark.parametrize("p,n,options", [
-    (2, 1, {}), (3, 2, {}), (3, 1000, {"bucket_size": 64}), (5, 777, {"bucket_size": 128}),
-    (2, 3000, {"bits": 4, "rounding": "stochastic", "bucket_size": 256}),
-    (3, 513, {"bits": 2, "rounding": "stochastic", "bucket_size": 64})])
-def test_planned_gather_is_the_replay(p: int, n: int, options: dict) -> None:
-    got = _planned(p, n, options)
+@pytest.mark.parametrize("p,n,name,options", [
+    (2, 1, "int8", {}), (3, 2, "int8", {}), (3, 1000, "int8", {"bucket_size": 64}),
+    (5, 777, "int8", {"bucket_size": 128}),
+    (2, 3000, "int8", {"bits": 4, "rounding": "stochastic", "bucket_size": 256}),
+    (3, 513, "int8", {"bits": 2, "rounding": "stochastic", "bucket_size": 64}),
+    (2, 1, "onebit", {}), (3, 1001, "onebit", {"bucket_size": 64})])
+def test_planned_gather_is_the_replay(p: int, n: int, name: str, options: dict) -> None:
+    got = _planned(p, n, name, options)
     stores = [ErrorFeedback() for _ in range(p)]
     for s in range(STEPS):
         ref = replay([gaussian_input(r + 7 * s, n, "float32") for r in range(p)],
-                     dtype="float32", op="sum", algorithm="allgather", compressor="int8",
+                     dtype="float32", op="sum", algorithm="allgather", compressor=name,
                      residuals=stores, key="w", seed=3, step=s, **options)
         for r in range(p):
             assert got[r][0][s].tobytes() == ref.tobytes(), (s, r)

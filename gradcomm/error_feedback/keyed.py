@@ -178,6 +178,10 @@ class KeyedResiduals(ErrorFeedback):
                      like: Any = None) -> Any:
         """The hop's residual; ``offset`` is recorded (:attr:`offsets`)."""
         self.offsets[name] = int(offset)
+        e = self._residuals.get(name)
+        if isinstance(e, np.ndarray) and (like is None or isinstance(like, np.ndarray)) \
+                and e.shape == (n,) and e.dtype == dtype:        # held as it is needed
+            return e
         return held_residual(self._residuals, name, n, dtype, like)
 
     def parts(self, key: str) -> list[tuple[str, int, Any]] | None:

@@ -26,12 +26,14 @@ from .store import held_residual, misplaced
 @dataclass
 class _Layout:
     """One key's residual as one flat buffer: ``views[i]``, the view of it that piece
-    ``i``'s residual is (None: the piece holds no residual yet), and the ``runs``
-    ``(start, end)`` of consecutive pieces that hold one."""
+    ``i``'s residual is (None: the piece holds no residual yet), the ``runs``
+    ``(start, end)`` of consecutive pieces that hold one, and the buffer's array
+    ``backend`` (:func:`gradcomm.arrays.backend`, chosen once)."""
 
     flat: Any
     views: list[Any]
     runs: list[tuple[int, int]]
+    backend: arrays.Backend
 
 
 class KeyedResiduals(ErrorFeedback):
@@ -116,14 +118,14 @@ class KeyedResiduals(ErrorFeedback):
             return
         for a, b in lay.runs:
             x[a:b] += lay.flat[a:b]
-        arrays.assign(lay.flat, 0.0)
+        lay.backend.assign(lay.flat, 0.0)
 
     def update(self, key: str, x: Any, decoded: Any) -> None:
         """Each piece of ``key`` keeps its slice of ``x - decoded``."""
         if not self.enabled:
             return
         lay = self._layout(key, x) or self._lay_out(key, x)
-        arrays.subtract(x, decoded, lay.flat)
+        lay.backend.subtract(x, decoded, lay.flat)
         if any(v is None for v in lay.views):        # every piece holds a residual now
             self._register(key, lay, all_pieces=True)
 
@@ -157,7 +159,7 @@ class KeyedResiduals(ErrorFeedback):
                 _take_piece(table, name, a, b, x)
             elif name in table:
                 held_residual(table, name, b - a, dtype, x)     # (warns if reset)
-        lay = self._flats[key] = _Layout(flat, [None] * len(pieces), [])
+        lay = self._flats[key] = _Layout(flat, [None] * len(pieces), [], arrays.backend(flat))
         self._register(key, lay, all_pieces=not take)
         return lay
 

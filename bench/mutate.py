@@ -78,6 +78,7 @@ CHECKS: dict[str, tuple[str, ...]] = {
                               "tests/error_feedback/test_keyed.py"),
     "powersgd": _pytest("tests/compressed/test_powersgd.py",
                         "tests/compressors/test_powersgd_codec.py"),
+    "planned": _pytest("tests/compressed/test_planned.py"),
     "ddp_exact": _pytest("tests/integrations/ddp/test_ddp_hook.py", "-k",
                          "independent_reduction"),
     "bench_p3": _bench(3),
@@ -130,6 +131,12 @@ MUTANTS: tuple[Mutant, ...] = (
                   "        return _kernels.f32_finish(tmp, out, k, add)",
                   "        tmp[...] = 0\n        return _kernels.f32_finish(tmp, out, k, add)"),),
            _CODEC),
+    Mutant("planned-adds-stale", "the planned gathered route decode-adds rank 0's payload "
+           "onto the input instead of writing it (the sum keeps this rank's own input)",
+           (Patch("gradcomm/compressed/planned.py",
+                  "self.cplan.decode(self._views(b), x, r > 0)",
+                  "self.cplan.decode(self._views(b), x, True)"),),
+           ("planned", "ddp_exact")),
     # -- error feedback that forgets its residual
     Mutant("ef-forgets", "ErrorFeedback.residual hands out fresh zeros every call (the "
            "residual written last step is never added back)",

@@ -5,7 +5,10 @@ Variants (the ``--fsdp`` default: :data:`FSDP_VARIANTS`):
 * ``fsdp`` — FSDP2's own reduce-scatter in float32: the reference;
 * ``fsdp-bf16`` — FSDP2's own, ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)``;
 * ``fsdp-gc-<codec>[:opt=v;...]`` — ``gradcomm.integrations.fsdp.compress_fsdp(model,
-  codec, **opts)`` (``ef=0``: no error feedback; ``alg=ring``: the ring route).
+  codec, **opts)`` (``ef=0``: no error feedback; ``alg=ring``: the ring route;
+  ``weights=int8``: the quantized weight all-gather too; ``agsync=1`` / ``agsync=0``:
+  that gather's exchange always inside FSDP2's call / always on its worker thread; by
+  default where FSDP2 can compute before it waits).
 
 Every hidden layer and the root are ``fully_shard``-ed on a 1-D CPU mesh (gloo) with
 ``reshard_after_forward=False``, so each step moves one all-gather of the parameters
@@ -43,6 +46,8 @@ def parse_fsdp_variant(text: str) -> dict[str, Any]:
         v["kind"], v["codec"] = "fsdp-gc", name[len("fsdp-gc-"):]
         v["ef"] = bool(options.pop("ef", 1))
         v["algorithm"] = str(options.pop("alg", "auto"))
+        sync = options.pop("agsync", None)
+        v["gather_overlap"] = None if sync is None else not bool(sync)
     else:
         raise ValueError(f"unknown FSDP variant {name!r}: fsdp, fsdp-bf16 or fsdp-gc-<codec>")
     return v
@@ -71,6 +76,8 @@ def train_fsdp_variant(v: dict[str, Any], args: Any, data: Any, rank: int, world
         kw = dict(v["options"])
         state = compress_fsdp(model, codec, error_feedback=v["ef"], algorithm=v["algorithm"],
                               seed=args.seed, **kw)
+        for gather in state.gathers.values():
+            gather.overlap = v["gather_overlap"]
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     lossf = torch.nn.CrossEntropyLoss()
     times, start_bytes, end_bytes = run_steps(model, opt, lossf, data, args, rank, world)

@@ -110,9 +110,8 @@ def compress_fsdp(model: Any, compressor: Any = None, *, error_feedback: bool = 
             shape, :mod:`.allgather`): forward and backward compute with blockwise-int8
             weights (``weight_bucket_size`` elements per block) rounded to the param
             dtype (float32, bfloat16 or float16 on CPU), the master shards, gradients and
-            optimizer step stay exact; asynchronous (a Work FSDP2 waits on), so it
-            overlaps compute wherever FSDP2 prefetches. Default None: FSDP2's own
-            all-gather.
+            optimizer step stay exact; asynchronous (a Work FSDP2 waits on) where
+            FSDP2 can compute before it waits. Default None: FSDP2's own all-gather.
 
     Which to pick (measured in bench/RESULTS.md, FSDP2 section): ``"int8"`` alone cuts
     the reduce-scatter's bytes 4x but leaves the fp32 all-gather, which then carries most

@@ -13,12 +13,15 @@ float32, bfloat16 or float16) as ``input_tensor`` and the flat ``world_size x`` 
    (:func:`gradcomm.collectives.allgather.allgatherv` over a gloo group of its own) and
    decodes every rank's payload into its slot of the output, its own too (rounded to the
    param dtype), so that every rank computes with the same weights;
-3. the call returns a ``torch.distributed.Work`` at once; FSDP2 waits on it in its
-   copy-out (``wait()`` carries the transport's deadline). So the gather overlaps compute
-   wherever FSDP2 issues it ahead: the implicit backward prefetch
-   (``reshard_after_forward=True``), ``set_modules_to_forward_prefetch`` /
-   ``set_modules_to_backward_prefetch`` and ``module.unshard(async_op=True)``.
-   ``overlap=False`` runs the exchange inside the call (returns None).
+3. where FSDP2 can compute before it waits, the call returns a ``torch.distributed.Work``
+   at once and FSDP2 waits on it in its copy-out (``wait()`` carries the transport's
+   deadline): with ``async_op=True`` (``module.unshard(async_op=True)``, async unshards
+   with ``set_modules_to_forward_prefetch``) and inside backward (FSDP2's implicit
+   prefetch of the next module to run backward, ``reshard_after_forward=True``). A
+   forward unshard with ``async_op=False`` is waited on at once, so there the exchange
+   runs inside the call (a thread hand-off would only add latency; measured in
+   bench/RESULTS.md) and the call returns None. ``overlap=True`` / ``False`` forces
+   either way.
 
 Only what forward and backward compute with is quantized: the sharded master parameters,
 the gradients and the optimizer step stay exact (FSDP2 copies the gathered values out to
@@ -33,7 +36,7 @@ Example:
     ...     ag = QuantizedAllGather(side_group=t)
     ...     x = torch.arange(4, dtype=torch.float32) + 4 * t.rank
     ...     out = torch.empty(8)
-    ...     ag(out, x, None).wait()
+    ...     ag(out, x, None, async_op=True).wait()
     ...     return out.tolist()
     >>> run_ranks(2, fn)[1]
     [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
@@ -108,10 +111,11 @@ class QuantizedAllGather(AllGather):
     """FSDP2's parameter all-gather with each shard quantized blockwise (``bits``,
     ``bucket_size``); ``side_group``: the group (or Transport) gradcomm's messages use
     (None: the group FSDP2 passes; :func:`compress_fsdp` gives one of the gathers' own);
-    ``overlap``: exchange on the worker thread and return a Work (default)."""
+    ``overlap``: exchange on the worker thread and return a Work (True), inside the call
+    (False), or where FSDP2 can compute before it waits (None, the default)."""
 
     def __init__(self, bits: int = 8, bucket_size: int = 256, side_group: Any = None,
-                 overlap: bool = True) -> None:
+                 overlap: bool | None = None) -> None:
         self.codec = compressors.get("int8", bits=bits, bucket_size=bucket_size)
         self.side_group, self.overlap = side_group, overlap
         self.calls = self.bytes_sent = 0
@@ -145,7 +149,10 @@ class QuantizedAllGather(AllGather):
         def job() -> None:
             self._exchange(t, x, output_tensor)
 
-        if not self.overlap:
+        overlap = self.overlap
+        if overlap is None:         # async unshards, or a prefetch issued inside backward
+            overlap = async_op or torch._C._current_graph_task_id() != -1
+        if not overlap:
             job()
             return None
         worker = _worker(t)

@@ -44,7 +44,7 @@ def test_a_missing_rank_is_a_deadline_not_a_hang() -> None:
         if t.rank == 1:
             return "absent"
         gather = QuantizedAllGather(side_group=t)
-        work = gather(torch.empty(8), torch.ones(4), None)
+        work = gather(torch.empty(8), torch.ones(4), None, async_op=True)
         assert isinstance(work, PendingGather)
         began = time.monotonic()
         with pytest.raises(DeadlineError):

@@ -32,6 +32,9 @@ from gradcomm.integrations.fsdp.allgather import PendingGather
 CODEC = compressors.get("int8", bucket_size=256)
 RESHARDS = {"mixed": (True, False, True), "all": (True, True, True),
             "none": (False, False, False)}
+#: gathers issued inside backward (3 steps x 2 micro-batches x the modules that reshard
+#: after forward): those, and only those, come back as a Work by default
+BACKWARD = {"mixed": 12, "all": 18, "none": 0}
 
 
 def raw(t: torch.Tensor) -> bytes:
@@ -109,7 +112,8 @@ def expected_unsharded(m: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tens
 def check_gathers() -> None:
     """Per reshard_after_forward setting and param dtype (float32, bfloat16), with 2
     micro-batches per step: every all-gather output is every rank's recorded shard through
-    the codec's round trip in rank order (own one included), returned as a Work; every
+    the codec's round trip in rank order (own one included), returned as a Work exactly
+    when issued inside backward (FSDP2's implicit prefetch); every
     forward computes with the round trip of every rank's master shard (padding cut off)."""
     counts = {}
     for label, reshard in RESHARDS.items():
@@ -146,10 +150,13 @@ def check_gathers() -> None:
                             break
             for i, (x, out, was_async) in enumerate(log):
                 exp = torch.cat([roundtrip(a) for a in gathered(x)])
-                if not was_async or out.dtype != dtype or raw(out) != raw(exp):
+                if out.dtype != dtype or raw(out) != raw(exp):
                     fail(f"{tag}: all-gather {i} differs from the codec's round trips "
                          f"(async {was_async})")
                     break
+            if sum(a for _, _, a in log) != BACKWARD[label]:
+                fail(f"{tag}: {sum(a for _, _, a in log)} gathers returned a Work, "
+                     f"{BACKWARD[label]} (those in backward) expected")
             counts[tag] = len(log)
     INFO["gathers"] = counts
 
@@ -166,16 +173,18 @@ def _prefetched(m: nn.Module, on: bool) -> None:
 
 
 def check_overlap() -> None:
-    """The asynchronous gather (default, FSDP2's implicit prefetch and with explicit
-    forward/backward prefetch and async unshards) gives parameters bitwise equal to the
-    exchange inside the call (overlap=False); reruns are bitwise the same; training
-    with codec None stays close to FSDP2's own all-gather."""
+    """The asynchronous gather (forced; the default with FSDP2's implicit backward
+    prefetch; with explicit forward/backward prefetch and async unshards, where every
+    gather returns a Work) gives parameters bitwise equal to the exchange inside the call
+    (overlap=False); reruns are bitwise the same; training with codec None stays close
+    to FSDP2's own all-gather."""
     res = {}
     for label, overlap, prefetch, weights in [("sync", False, False, "int8"),
                                               ("async", True, False, "int8"),
-                                              ("prefetch", True, True, "int8"),
-                                              ("again", True, True, "int8"),
-                                              ("exact", True, False, None)]:
+                                              ("prefetch", None, True, "int8"),
+                                              ("again", None, True, "int8"),
+                                              ("auto", None, False, "int8"),
+                                              ("exact", None, False, None)]:
         m = shard(make_model(), reshard=RESHARDS["all"])
         st = compress_fsdp(m, None, weights=weights)
         for g in st.gathers.values():
@@ -193,9 +202,13 @@ def check_overlap() -> None:
             opt.step()
             opt.zero_grad()
         res[label] = local(m)
-        if weights and any(isinstance(w, PendingGather) for w in works) != overlap:
-            fail(f"overlap {label}: returned {set(type(w).__name__ for w in works)}")
-    for label in ("async", "prefetch", "again"):
+        asyncs = sum(isinstance(w, PendingGather) for w in works)
+        want = {"sync": 0, "async": len(works), "prefetch": len(works), "again": len(works),
+                "auto": 12}.get(label, 0)          # auto: backward regathers 3 x 4 steps
+        if weights and asyncs != want:
+            fail(f"overlap {label}: {asyncs} of {len(works)} gathers returned a Work, "
+                 f"{want} expected")
+    for label in ("async", "prefetch", "again", "auto"):
         if res[label].numpy().tobytes() != res["sync"].numpy().tobytes():
             fail(f"overlap: {label} differs from the exchange inside the call")
     if not torch.allclose(res["sync"], res["exact"], atol=0.05) or \

@@ -13,8 +13,11 @@ from __future__ import annotations
 import warnings
 from typing import Any, Mapping
 
+import numpy as np
+
 from . import arrays
 from ._plan import Reduction
+from .compressors import _kernels
 from .comm import get_transport
 from .compressed.guard import DEFAULT_BOUND, Guard
 from .errors import ConfigError
@@ -190,19 +193,36 @@ class Allreduce:
     def __call__(self, x: Any, key: str = "default") -> Any:
         """Reduce ``x`` (not modified); the residual and step of ``key`` are used."""
         t = self.transport
-        buf, meta = self.plan.flat(x, t)
+        ef = self.error_feedback
+        g2 = None
+        if self.guard is not None and type(x) is np.ndarray and x.dtype == np.float32 \
+                and x.flags.c_contiguous:           # the copy and the guard's input norm
+            buf = np.empty(x.size, np.float32)      # in one pass (as plan.flat copies)
+            g2 = _kernels.for_size(x.size).copy_sq_norm(x.reshape(-1), buf)
+            meta = arrays.backend(x).meta(x)
+        else:
+            buf, meta = self.plan.flat(x, t)
         compressed = self.plan.compresses(meta.dtype)  # (a sparse gradient may go
         guard = self.guard if compressed else None      # uncompressed through
         if guard is not None:                           # sparse_allgather)
-            guard.observe(key, buf)
-        buf = self.plan.run(t, buf, meta.dtype, meta=meta,
-                            residuals=self.error_feedback if compressed else None,
-                            key=key if compressed else None)
+            guard.observe(key, buf, g2)
+            ef.tally = np.zeros(2)      # the codecs add their residuals' norms in their pass
+        try:
+            buf = self.plan.run(t, buf, meta.dtype, meta=meta,
+                                residuals=ef if compressed else None,
+                                key=key if compressed else None)
+            tally, ef.tally = ef.tally, None
+        finally:
+            ef.tally = None
         if not compressed:
-            self.error_feedback.advance(key)
-        elif guard is not None and guard.check(t, key, self.error_feedback.residuals_of(key),
-                                               buf, same=True):
-            self.error_feedback.clear(key)
+            ef.advance(key)
+        elif guard is not None:
+            residuals = ef.residuals_of(key)
+            # the tally is the residuals' norm if it saw every one of their elements once
+            e2 = float(tally[0]) if tally is not None and \
+                tally[1] == sum(arrays.size(e) for e in residuals) else None
+            if guard.check(t, key, residuals, buf, same=True, e2=e2):
+                ef.clear(key)
         return arrays.from_flat(buf, meta)
 
     def _signature(self) -> str:

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from .. import arrays
-from ..compressors.base import Compressor, Payload
+from ..compressors.base import Compressor, Payload, add_tally
 from ..errors import PayloadError, UnsupportedError
 from .state import Scratch
 
@@ -188,14 +188,15 @@ class Frames:
         return start - pos, plen
 
     def single(self, x: np.ndarray, seed: tuple[int, ...], n: int, size: int, *,
-               residual: np.ndarray | None = None, decoded: np.ndarray | None = None
-               ) -> tuple[np.ndarray, np.ndarray]:
+               residual: np.ndarray | None = None, decoded: np.ndarray | None = None,
+               tally: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """A one-part frame of ``size`` bytes holding ``x`` compressed; (frame, payload).
 
         With ``residual`` e, ``y = x + e`` is compressed and ``e = y − decode`` is left;
         with ``decoded``, ``decode`` is left there (may be ``x``): fused into the codec's
         pass when it can (``compress(..., residual=, decoded=)``), else step by step
-        (the same bytes)."""
+        (the same bytes). ``tally``: ``+= (sq_norm(e), e.size)`` of the new ``e``
+        (:meth:`~gradcomm.compressors.base.Compressor.compress`)."""
         frame = self.take(size)
         pos = HDR.size + PART.size
         fused: dict[str, np.ndarray] = {}
@@ -203,6 +204,8 @@ class Frames:
             if self.fused:
                 if residual is not None:
                     fused["residual"] = residual
+                    if tally is not None:
+                        fused["tally"] = tally
                 if decoded is not None:
                     fused["decoded"] = decoded
             elif residual is not None:
@@ -220,6 +223,7 @@ class Frames:
             if residual is not None:
                 with np.errstate(invalid="ignore"):
                     residual -= dec
+                add_tally(tally, residual)
         return frame, data
 
     def assemble(self, parts: list[tuple[int, int, np.ndarray]], size: int

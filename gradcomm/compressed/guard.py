@@ -106,14 +106,36 @@ def check_bound(bound: Any) -> float | None:
 
 
 def sq_norm(a: Any) -> float:
-    """``a · a`` of a flat numpy / torch / cupy array (inf or nan if ``a`` is not finite,
-    or so large that its square overflows)."""
+    """``a · a`` of a flat numpy / torch / cupy array in float64 (inf or nan if ``a`` is
+    not finite): the codec kernels' ``sq_norm``, the value their fused error-feedback
+    passes tally for a residual (``compress(..., tally=)``), whichever kernel path runs.
+
+    Example:
+        >>> sq_norm(np.array([3.0, 4.0], np.float32))
+        25.0
+    """
     from .. import arrays
 
     if a.shape[0] == 0 or not arrays.dtype_name(a).startswith(("float", "bfloat")):
         return 0.0                     # (16-bit floats may be held as integer storage)
-    with np.errstate(all="ignore"):
-        return float(a.dot(a))
+    if isinstance(a, np.ndarray):      # every host path gives the same bits: by size only
+        return _host_norms(a.size).sq_norm(a)
+    from ..compressors._kernels import _xp
+    return _xp.sq_norm(a)
+
+
+def _host_norms(n: int) -> Any:
+    """The kernel module that computes a host ``sq_norm`` of ``n`` elements fastest:
+    numba from ``FAST_MIN`` elements where it is installed, else numpy (picked here, not
+    through the kernels' per-call choice: the DDP bucket's trip stays off that file)."""
+    from ..compressors._kernels import FAST_MIN, _numpy
+    if n < FAST_MIN:
+        return _numpy
+    try:
+        from ..compressors._kernels import _numba
+    except ImportError:                 # pragma: no cover - numba is the fast extra
+        return _numpy
+    return _numba
 
 
 class Guard:
@@ -137,14 +159,16 @@ class Guard:
         for name in ("guard_resets", "guard_nonfinite", "guard_over_bound", "clipped"):
             self.stats.setdefault(name, 0)
 
-    def observe(self, key: str, g: Any) -> None:
-        """Record ``||g||²`` of this step's input of ``key`` (before compensation); it
-        joins the key's scale after :meth:`check`, so a sudden spike is measured against
-        the steps before it."""
-        self._pending[key] = sq_norm(g)
+    def observe(self, key: str, g: Any, g2: float | None = None) -> None:
+        """Record ``||g||²`` of this step's input of ``key`` (before compensation; ``g2``:
+        already computed, e.g. by :func:`~gradcomm.compressors._kernels` ``copy_sq_norm``
+        while copying ``g``); it joins the key's scale after :meth:`check`, so a sudden
+        spike is measured against the steps before it."""
+        self._pending[key] = sq_norm(g) if g2 is None else float(g2)
 
     def check(self, t: Transport, key: str, residuals: Sequence[Any], out: Any, *,
-              same: bool = False, agree: Agreement | None = None) -> str | None:
+              same: bool = False, agree: Agreement | None = None,
+              e2: float | None = None) -> str | None:
         """Collective: whether any rank must reset ``key`` (``"nonfinite"``,
         ``"over_bound"``) or None. Counts and warns; the caller resets. With ``clip``
         set, :attr:`factor` is then the factor the caller scales ``out`` by (1.0: none).
@@ -155,7 +179,9 @@ class Guard:
         by the ranks instead of one each (with ``clip``, which needs the whole norm, each
         rank looks at all of it). ``agree``: how the ranks sum the decision,
         :func:`agreement` of ``t`` resolved once by a caller that checks often (None:
-        decided here, per call)."""
+        decided here, per call). ``e2``: the residuals' summed :func:`sq_norm`, if the
+        caller has it (the codecs' tally of this reduction, :attr:`ResidualStore.tally`);
+        None: computed here from ``residuals``."""
         g2 = self._pending.pop(key, 0.0)
         part = out
         if same and t.size > 1 and self.clip is None:
@@ -163,7 +189,8 @@ class Guard:
             part = out[t.rank * n // t.size:(t.rank + 1) * n // t.size]
         out2 = sq_norm(part)
         bad_out = 0.0 if math.isfinite(out2) else 1.0
-        e2 = sum(sq_norm(e) for e in residuals)
+        if e2 is None:
+            e2 = sum(sq_norm(e) for e in residuals)
         scale = self._scale.get(key)
         bad_e = 0.0 if math.isfinite(e2) else 1.0
         over = 1.0 if (not bad_e and self.bound is not None and scale is not None and

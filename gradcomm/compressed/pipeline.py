@@ -53,9 +53,11 @@ def bounds(n: int, chunks: int, quantum: int) -> list[tuple[int, int]]:
     return [(lo, min(n, lo + per)) for lo in range(0, n, per)]
 
 
-def allgather(t: Transport, x: Any, f: Frames, seeds: Seeds, e: Any, chunks: int) -> None:
+def allgather(t: Transport, x: Any, f: Frames, seeds: Seeds, e: Any, chunks: int,
+              tally: Any = None) -> None:
     """``x = Σ_ranks decode(encode(x + e))`` (``e``: the key's flat residual or None,
-    left as ``x + e − decode``), in ``chunks`` pipelined pieces (host buffers)."""
+    left as ``x + e − decode``), in ``chunks`` pipelined pieces (host buffers);
+    ``tally``: each piece's residual norm is added to it (:meth:`Frames.single`)."""
     n, p, me = x.size, t.size, t.rank
     pieces = bounds(n, chunks, f.codec.piece_quantum)
     sizes = [f.bound(hi - lo) for lo, hi in pieces]
@@ -108,7 +110,8 @@ def allgather(t: Transport, x: Any, f: Frames, seeds: Seeds, e: Any, chunks: int
         post(i)
     for i, (lo, hi) in enumerate(pieces):
         frame, _ = f.single(x[lo:hi], seeds.whole(), hi - lo, sizes[i],
-                            residual=None if e is None else e[lo:hi])
+                            residual=None if e is None else e[lo:hi],
+                            tally=None if e is None else tally)
         own.append(frame)
         sends.extend(t.isend(frame, r, TAG_DATA) for r in peers)
         while done < i + 1 and all(q.test() for q in recvs[done]):

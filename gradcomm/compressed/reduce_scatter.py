@@ -134,6 +134,7 @@ class _Flat:
     """The per-hop residuals of a compressed ring as slices of one flat residual."""
 
     enabled = True
+    tally = None
 
     def __init__(self, e: Any) -> None:
         self.e = e

@@ -144,21 +144,22 @@ def gathered(t: Transport, x: Any, codec: Compressor, sparse: bool, seeds: Seeds
     pairs = codec.sparse_pairs
     size = f.bound(n)
     e = ef.flat_residual(key, n, f.dtype, like=x) if ef is not None and f.fused else None
+    tally = None if e is None else ef.tally
     if ef is None or e is not None:
         # the key's residual e (if any) is fused into the codec's pass: y = x + e is
         # compressed and e = y - decode(y) left behind; x itself is not needed after
         k = 1 if sparse or f.device else \
             gather_pieces(t, codec, n, f.dtype, arrays.itemsize(x))
         if k > 1:
-            pipeline.allgather(t, x, f, seeds, e, k)
+            pipeline.allgather(t, x, f, seeds, e, k, tally)
             return
         if sparse and pairs:
             payload = codec.compress(x, seed=seeds.whole(),
-                                     **({} if e is None else {"residual": e}))
+                                     **({} if e is None else {"residual": e, "tally": tally}))
             _, _, idx, vals = codec.to_sparse(payload)
             _sparse_sum(t, idx, vals, x)
             return
-        frame, data = f.single(x, seeds.whole(), n, size, residual=e)
+        frame, data = f.single(x, seeds.whole(), n, size, residual=e, tally=tally)
         if sparse:
             dec = f.floats(0, n)
             f.decode(data, dec)

@@ -61,6 +61,7 @@ class CompressedWire:
         self.device = self.frames.device
         self.max_parts = max(1, max_parts)
         self.ef = ef if (ef is not None and ef.enabled and codec.lossy) else None
+        self.tally = None if self.ef is None else self.ef.tally
         self.key = key
         self._finished: dict[int, tuple[int, np.ndarray]] = {}   # offset -> (n, payload)
         self._partial_hops = 0
@@ -95,7 +96,7 @@ class CompressedWire:
         if self.ef is None:
             return f.single(seg, seed, n, f.bound(n))[0]
         e = self._hop_residual(f"{self.key}{HOP_SEP}e{hop}", off, n, self.dtype)
-        return f.single(seg, seed, n, f.bound(n), residual=e)[0]
+        return f.single(seg, seed, n, f.bound(n), residual=e, tally=self.tally)[0]
 
     def reduce(self, recv: np.ndarray, seg: np.ndarray, recv_first: bool) -> None:
         off, n = self._offset(seg), arrays.size(seg)
@@ -121,7 +122,8 @@ class CompressedWire:
                                    decoded=seg if self.codec.lossy else None)
         else:
             e = self._hop_residual(f"{self.key}{HOP_SEP}f{hop}", off, n, self.dtype)
-            frame, data = f.single(seg, seed, n, size, residual=e, decoded=seg)
+            frame, data = f.single(seg, seed, n, size, residual=e, decoded=seg,
+                                   tally=self.tally)
         self._forget(off, off + n)
         self._finished[off] = (n, data)
         return frame

@@ -137,7 +137,7 @@ class Compressor(ABC):
 
     def compress(self, x: Any, *, seed: Sequence[int] | int | None = None,
                  out: Payload | None = None, residual: Any = None,
-                 decoded: Any = None) -> Payload:
+                 decoded: Any = None, tally: np.ndarray | None = None) -> Payload:
         """Encode flat float ``x`` (float16/32/64; numpy, or cupy / torch on any device:
         the payload's buffers are then of that kind, made by the device kernels).
 
@@ -145,14 +145,18 @@ class Compressor(ABC):
         ``decoded``, leave ``decode`` there (may be ``x``): one fused pass where the codec
         declares ``fuses_feedback`` and the kernel path has one, else step by step with
         the same bytes (:func:`compose`). ``out``: an earlier payload whose buffers may be
-        reused (``reuses_out``).
+        reused (``reuses_out``). ``tally`` (host float64[2], with ``residual``):
+        ``tally += (sq_norm(e), e.size)`` of the new ``e`` (the kernels' ``sq_norm``, the
+        same value on every path; in the fused pass where there is one).
         """
         x = as_input(x, self.name)
         fk = None
         if residual is not None or decoded is not None:
             fk = fused_kernels(x, residual, decoded, self.name)
             if fk is None or not self.fuses_feedback:
-                return compose(self, x, seed, out, residual, decoded)
+                return compose(self, x, seed, out, residual, decoded, tally)
+            if tally is not None and residual is not None:
+                fk = _kernels.Tallied(fk, tally)
         return self._encode(x, seed, out, fk, residual, decoded)
 
     def _encode(self, x: Any, seed: Any, out: Payload | None, fk: Any, residual: Any,
@@ -264,10 +268,11 @@ def fused_kernels(x: np.ndarray, residual: Any, decoded: Any, name: str
 
 
 def compose(codec: Compressor, x: np.ndarray, seed: Any, out: Any, residual: Any,
-            decoded: Any) -> Payload:
-    """What ``compress(x, residual=e, decoded=d)`` means, step by step: ``y = x + e``
-    (into ``e``); the payload encodes ``y``; ``d = decode(payload)``; ``e = y - d``.
-    Fused kernels produce exactly these bytes in one pass."""
+            decoded: Any, tally: np.ndarray | None = None) -> Payload:
+    """What ``compress(x, residual=e, decoded=d, tally=t)`` means, step by step:
+    ``y = x + e`` (into ``e``); the payload encodes ``y``; ``d = decode(payload)``;
+    ``e = y - d``; ``t += (sq_norm(e), e.size)``. Fused kernels produce exactly these
+    bytes (and this tally) in one pass."""
     y = x
     with np.errstate(invalid="ignore", over="ignore"):  # inf - inf: NaN, by design
         if residual is not None:
@@ -281,7 +286,16 @@ def compose(codec: Compressor, x: np.ndarray, seed: Any, out: Any, residual: Any
         codec.decompress(payload, out=dec)
         if residual is not None:
             residual -= dec
+            add_tally(tally, residual)
     return payload
+
+
+def add_tally(tally: np.ndarray | None, e: Any) -> None:
+    """``tally += (sq_norm(e), e.size)`` (the kernels' norm of ``e`` where it lives); no-op
+    without a tally."""
+    if tally is not None:
+        tally[0] += _kernels.for_array(e).sq_norm(e)
+        tally[1] += arrays.size(e)
 
 
 def need_out(add: bool, out: Any, name: str) -> None:

@@ -32,11 +32,13 @@ class NoneCompressor(Compressor):
 
     def compress(self, x: Any, *, seed: Sequence[int] | int | None = None,
                  out: Payload | None = None, residual: Any = None,
-                 decoded: Any = None) -> Payload:
+                 decoded: Any = None, tally: np.ndarray | None = None) -> Payload:
         """A payload whose buffer is ``x`` itself (flat, no copy; ``out`` is not used);
-        ``residual`` / ``decoded`` are applied step by step (:func:`.base.compose`)."""
+        ``residual`` / ``decoded`` (and ``tally``) are applied step by step
+        (:func:`.base.compose`)."""
         if residual is not None or decoded is not None:
-            return super().compress(x, seed=seed, residual=residual, decoded=decoded)
+            return super().compress(x, seed=seed, residual=residual, decoded=decoded,
+                                    tally=tally)
         return self._encode(x, seed, None, None, None, None)
 
     def _encode(self, x: Any, seed: Any, out: Payload | None, fk: Any, residual: Any,

@@ -29,7 +29,7 @@ import numpy as np
 from . import _kernels
 from ..arrays import assign, cast, dtype_name, size
 from ._options import dtype_code
-from .base import Compressor, as_input, fused_kernels, need_out, reuse
+from .base import Compressor, add_tally, as_input, fused_kernels, need_out, reuse
 from .payload import Payload, Reader, make_out, payload_nbytes
 from ..errors import ConfigError, PayloadError
 
@@ -84,21 +84,24 @@ class KeepsK(Compressor):
 
     def compress(self, x: Any, *, seed: Sequence[int] | int | None = None,
                  out: Payload | None = None, residual: Any = None,
-                 decoded: Any = None) -> Payload:
+                 decoded: Any = None, tally: np.ndarray | None = None) -> Payload:
         """Keep ``k`` elements (:meth:`_keep` says which); with ``residual`` e, of
         ``y = x + e`` (summed into ``e``), leaving ``e = y − decode`` (y with the kept
         elements zeroed); with ``decoded``, leave ``decode`` there (may be ``x``): the
         bytes of :func:`~gradcomm.compressors.base.compose`, with no decoding pass."""
         x = as_input(x, self.name)
+        fk = None
         if residual is not None or decoded is not None:
-            fused_kernels(x, residual, decoded, self.name)          # validates
+            fk = fused_kernels(x, residual, decoded, self.name)     # validates
         with np.errstate(invalid="ignore", over="ignore"):      # inf - inf: NaN, by design
             if residual is not None:
-                residual += x                                   # IEEE addition commutes
+                idx, v, header, buffers = self._keep_added(x, residual, fk, seed, out)
                 x = residual
-            idx, v, header, buffers = self._keep(x, size(x), dtype_name(x), seed, out)
+            else:
+                idx, v, header, buffers = self._keep(x, size(x), dtype_name(x), seed, out)
             if residual is not None:
                 residual[idx] = residual[idx] - v
+                add_tally(tally, residual)
         if decoded is not None:
             assign(decoded, 0)
             decoded[idx] = v
@@ -108,6 +111,13 @@ class KeepsK(Compressor):
     def _keep(self, x: Any, n: int, dt: str, seed: Any, out: Payload | None
               ) -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
         """(kept indices, kept values, payload header, payload buffers) of flat ``x``."""
+
+    def _keep_added(self, x: Any, e: Any, fk: Any, seed: Any, out: Payload | None
+                    ) -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
+        """:meth:`_keep` of ``e += x`` (``e`` is left holding ``y = x + e``); ``fk``: the
+        fused kernel path, or None."""
+        e += x                                                  # IEEE addition commutes
+        return self._keep(e, size(e), dtype_name(e), seed, out)
 
 
 class TopKCompressor(KeepsK):
@@ -122,6 +132,20 @@ class TopKCompressor(KeepsK):
     def _keep(self, x: Any, n: int, dt: str, seed: Any, out: Payload | None
               ) -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
         idx, vals = _kernels.for_array(x).topk_select(x, self.k_for(n))
+        return self._pack(idx, vals, n, dt, out, x)
+
+    def _keep_added(self, x: Any, e: Any, fk: Any, seed: Any, out: Payload | None
+                    ) -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
+        """With a fused path: ``e += x`` and the candidates of the selection in one pass
+        (``topk_select_add``), the same indices and values as :meth:`_keep` of ``e``."""
+        if fk is None:
+            return super()._keep_added(x, e, fk, seed, out)
+        n = size(e)
+        idx, vals = fk.topk_select_add(x, e, self.k_for(n))
+        return self._pack(idx, vals, n, dtype_name(e), out, e)
+
+    def _pack(self, idx: Any, vals: Any, n: int, dt: str, out: Payload | None, x: Any
+              ) -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
         m = size(idx)
         i, v = reuse(out, "i", index_dtype(n), m, x), reuse(out, "v", dt, m, x)
         assign(i, cast(idx, index_dtype(n)))

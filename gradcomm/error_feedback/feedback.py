@@ -35,6 +35,8 @@ class ErrorFeedback:
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = bool(enabled)
+        #: see :attr:`ResidualStore.tally` (None: no tally)
+        self.tally: np.ndarray | None = None
         self._residuals: dict[str, np.ndarray] = {}
         self._steps: dict[str, int] = {}
         self._extras: dict[str, np.ndarray] = {}

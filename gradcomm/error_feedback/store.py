@@ -47,6 +47,10 @@ class ResidualStore(Protocol):
 
     #: False: nothing is compensated and no residual is kept (steps and extras still are)
     enabled: bool
+    #: None, or a host float64[2] that the codecs add ``(sq_norm(e), e.size)`` of every
+    #: residual they leave to (``compress(..., tally=)``, in their fused pass): a caller
+    #: that sets it before a reduction learns its residuals' norm without another pass
+    tally: np.ndarray | None
 
     def step(self, key: str) -> int:
         """The step of this reduction of ``key`` (the same on every rank)."""

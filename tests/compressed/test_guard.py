@@ -125,3 +125,57 @@ def test_a_shared_result_is_checked_in_shards_that_cover_it(p):
     for seen in run_ranks(p, fn):
         assert seen[:n] == [("nonfinite", {})] * n, seen
         assert seen[n] == (None, {"w": 3.0})
+
+
+def _tallies(codec: str, algorithm: str, p: int, n: int, kernels: str, monkeypatch,
+             bad: float | None = None):
+    """(e2 the guard was handed, its own sum over the residuals, result bytes, stats) of
+    every step on every rank, kernels ``kernels``."""
+    monkeypatch.setenv("GRADCOMM_KERNELS", kernels)
+
+    def fn(t):
+        ar = gradcomm.Allreduce(t, compressor=codec, algorithm=algorithm, op="sum",
+                                **CODECS[codec])
+        seen = []
+        check = ar.guard.check
+
+        def spy(t_, key, residuals, out, **kw):
+            seen.append((kw.get("e2"), sum(sq_norm(e) for e in residuals)))
+            return check(t_, key, residuals, out, **kw)
+        ar.guard.check = spy
+        rng = np.random.default_rng(t.rank)
+        outs = []
+        for s in range(3):
+            x = rng.standard_normal(n).astype(np.float32)
+            if bad is not None and s == 1 and t.rank == 1:
+                x[n // 3] = bad
+            outs.append(ar(x, key="w").tobytes())
+        return seen, outs, dict(ar.guard.stats)
+    return run_ranks(p, fn)
+
+
+@pytest.mark.parametrize("codec, algorithm", [("onebit", "ring"), ("int8", "ring"),
+                                              ("fp16", "ring"), ("onebit", "allgather"),
+                                              ("topk", "allgather")])
+def test_the_codecs_tally_is_the_residual_norm_on_every_kernel_path(codec, algorithm,
+                                                                     monkeypatch):
+    """Allreduce hands the guard the residuals' norm its codecs tallied in their fused
+    pass (numba, arrays of >= FAST_MIN elements) or step by step (numpy): the same value
+    on both paths, bit for bit, and the guard's own sum over the residuals up to the
+    order of the float64 additions."""
+    n = 3 * 70001
+    fast = _tallies(codec, algorithm, 2, n, "auto", monkeypatch)
+    ref = _tallies(codec, algorithm, 2, n, "numpy", monkeypatch)
+    for (seen, outs, _), (seen_ref, outs_ref, _) in zip(fast, ref):
+        assert outs == outs_ref
+        for (e2, direct), (e2_ref, _) in zip(seen, seen_ref):
+            assert e2 is not None and e2 == e2_ref and e2 > 0
+            assert e2 == pytest.approx(direct, rel=1e-12)
+
+
+def test_a_residual_past_the_bound_resets_on_the_fused_path(monkeypatch):
+    """The spike test above at a size the numba kernels take (their tally decides)."""
+    for seen, _, stats in _tallies("onebit", "ring", 2, 70001 * 2, "auto", monkeypatch,
+                                   bad=1e12):
+        assert stats["guard_over_bound"] == 1, stats
+        assert all(e2 is not None for e2, _ in seen)

@@ -141,3 +141,55 @@ def f32_finish(tmp: Any, out: Any, k: Kernels, add: bool = False) -> Any:
         else:
             arrays.assign(out, tmp)
     return out
+
+
+class Tallied:
+    """The fused encoders of ``k`` (a :class:`FusedKernels` path), each also adding its new
+    residual's ``(sq_norm, size)`` into ``tally`` (host float64[2]): what a codec's
+    ``_encode`` is handed for ``compress(..., residual=, tally=)``; the codecs call only
+    the ``*_fused`` encoders on it.
+
+    Example:
+        >>> import numpy as np
+        >>> k, t = get("numba"), np.zeros(2)
+        >>> x, e = np.array([1.0, -3.0], np.float32), np.zeros(2, np.float32)
+        >>> Tallied(k, t).f32_to_f16_fused(x, np.empty(2, np.uint16), e); t.tolist()
+        [0.0, 2.0]
+    """
+
+    NAME = "tallied"
+    FUSED = True
+
+    def __init__(self, k: FusedKernels, tally: Any) -> None:
+        self.k, self.tally = k, tally
+
+    def f32_to_f16_fused(self, x: Any, out: Any, residual: Any = None,
+                         decoded: Any = None) -> None:
+        self.k.f32_to_f16_fused(x, out, residual, decoded, tally=self.tally)
+
+    def f32_to_bf16_fused(self, x: Any, out: Any, residual: Any = None,
+                          decoded: Any = None) -> None:
+        self.k.f32_to_bf16_fused(x, out, residual, decoded, tally=self.tally)
+
+    def minmax_encode_fused(self, x: Any, bs: int, bits: int, stochastic: bool, key: Any,
+                            lo_out: Any, unit_out: Any, packed: Any, residual: Any = None,
+                            decoded: Any = None) -> None:
+        self.k.minmax_encode_fused(x, bs, bits, stochastic, key, lo_out, unit_out, packed,
+                                   residual, decoded, tally=self.tally)
+
+    def fixed_encode_fused(self, x: Any, bits: int, scale: float, stochastic: bool,
+                           key: Any, packed: Any, residual: Any = None,
+                           decoded: Any = None) -> None:
+        self.k.fixed_encode_fused(x, bits, scale, stochastic, key, packed, residual, decoded,
+                                  tally=self.tally)
+
+    def signlevel_encode_fused(self, x: Any, bs: int, levels: int, bits: int, l2: bool,
+                               key: Any, scale_out: Any, packed: Any, residual: Any = None,
+                               decoded: Any = None) -> None:
+        self.k.signlevel_encode_fused(x, bs, levels, bits, l2, key, scale_out, packed,
+                                      residual, decoded, tally=self.tally)
+
+    def onebit_encode_fused(self, x: Any, bs: int, pos_out: Any, neg_out: Any, packed: Any,
+                            residual: Any = None, decoded: Any = None) -> None:
+        self.k.onebit_encode_fused(x, bs, pos_out, neg_out, packed, residual, decoded,
+                                   tally=self.tally)

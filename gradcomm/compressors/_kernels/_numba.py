@@ -42,6 +42,9 @@ _JIT = dict(cache=True, nogil=True, error_model="numpy")
 #: then ``e = y - decode`` and/or ``d = decode`` in the same pass over each bucket
 FUSED = True
 _NONE32 = np.zeros(1, np.float32)                      # stands for an absent e or d
+_NOACC = np.zeros(0)                                   # no tally: lanes not accumulated
+#: elements per block of the 16-bit casts when they tally the residual's norm
+_CAST_BLOCK = 4096
 
 
 class Fuse(IntEnum):
@@ -343,18 +346,34 @@ def _round16_loop(x, v, e, d, mode, rnd):
             d[i] = f
 
 
-@njit(**_JIT)
-def _f16_encode(x, v, e, d, mode):
-    _round16_loop(x, v, e, d, mode, _f16_round)
+@njit(inline="always", **_JIT)
+def _round16(x, v, e, d, mode, rnd, acc):
+    """:func:`_round16_loop`, and with lanes ``acc`` (not empty) block by block, each
+    block's new e squared into them while it is in cache."""
+    n = x.size
+    if acc.size == 0:
+        _round16_loop(x, v, e, d, mode, rnd)
+        return
+    whole = d.size == n
+    for s in range(0, n, _CAST_BLOCK):
+        m = min(_CAST_BLOCK, n - s)
+        _round16_loop(x[s:s + m], v[s:s + m], e[s:s + m], d[s:s + m] if whole else d[:0],
+                      mode, rnd)
+        _acc_sq(acc, e[s:s + m], s)
 
 
 @njit(**_JIT)
-def _bf16_encode(x, v, e, d, mode):
-    _round16_loop(x, v, e, d, mode, _bf16_round)
+def _f16_encode(x, v, e, d, mode, acc):
+    _round16(x, v, e, d, mode, _f16_round, acc)
+
+
+@njit(**_JIT)
+def _bf16_encode(x, v, e, d, mode, acc):
+    _round16(x, v, e, d, mode, _bf16_round, acc)
 
 
 def _f32_to_f16(x, out):
-    _f16_encode(x, out, _NONE32, _NONE32, _PLAIN)
+    _f16_encode(x, out, _NONE32, _NONE32, _PLAIN, _NOACC)
 
 
 @njit(**_JIT)
@@ -413,7 +432,7 @@ def f16_to_f32(h, out, add=False):
 
 
 def f32_to_bf16(x, out):
-    _bf16_encode(x, out, _NONE32, _NONE32, _PLAIN)
+    _bf16_encode(x, out, _NONE32, _NONE32, _PLAIN, _NOACC)
 
 
 @njit(**_JIT)
@@ -470,6 +489,26 @@ def _unkey(k):
     return _u32_as_f32(np.uint32(k ^ ((k >> np.int32(31)) & np.int32(0x7FFFFFFF))))
 
 
+@njit(inline="always", **_JIT)
+def _acc_sq(acc, v, s):
+    """acc[(s + i) % 64] += float64(v[i])**2 for i in 0 .. v.size-1, in order (the lanes of
+    :func:`._numpy.sq_norm` for an array whose element s is v[0])."""
+    m = v.size
+    h = min(m, (LANES - s % LANES) % LANES)
+    for i in range(h):
+        w = np.float64(v[i])
+        acc[(s + i) % LANES] += w * w
+    full = (m - h) // LANES
+    for t in range(full):
+        r = v[h + t * LANES:h + (t + 1) * LANES]
+        for j in range(LANES):
+            w = np.float64(r[j])
+            acc[j] += w * w
+    for i in range(h + full * LANES, m):
+        w = np.float64(v[i])
+        acc[(s + i) % LANES] += w * w
+
+
 # --- error feedback around a bucket ----------------------------------------------------------
 # Every bucketed encoder is one kernel ``(x, ..., e, d, mode)``. Its ``*_fused`` function
 # calls it with a :class:`Fuse` mode (RESIDUAL: encode y = x + e, then e = y - decoded;
@@ -520,10 +559,11 @@ def _ef_input(x, e, s, m, mode, ys):
 
 
 @njit(inline="always", **_JIT)
-def _ef_output(kind, c, a, b, k, ys, e, d, s, m, mode):
+def _ef_output(kind, c, a, b, k, ys, e, d, s, m, mode, acc):
     """After bucket ``s .. s+m`` of ``y`` was encoded to codes ``c`` (decoded as
     :func:`_value` says): ``d = decoded`` (DECODED) and ``e = y - decoded`` (RESIDUAL),
-    in one pass; nothing in the plain encoder (e None)."""
+    in one pass, and the new e's squares into the lanes ``acc`` (if not empty); nothing
+    in the plain encoder (e None)."""
     if e is None or d is None or mode == Fuse.PLAIN:
         return
     if mode == Fuse.BOTH:
@@ -534,16 +574,19 @@ def _ef_output(kind, c, a, b, k, ys, e, d, s, m, mode):
             es[i] = ys[i] - dv
     elif mode == Fuse.DECODED:
         _decode_codes(kind, c, m, a, b, k, d[s:s + m], False)
+        return
     else:
         es = e[s:s + m]
         for i in range(m):
             es[i] = ys[i] - _value(kind, c[i], a, b, k)
+    if acc.size:
+        _acc_sq(acc, e[s:s + m], s)
 
 
 # --- int8: per-bucket min/max --------------------------------------------------------------
 
 @njit(**_JIT)
-def _minmax_encode(x, bs, bits, stochastic, key, lo_out, unit_out, packed, e, d, mode):
+def _minmax_encode(x, bs, bits, stochastic, key, lo_out, unit_out, packed, e, d, mode, acc):
     n = x.size
     L = (1 << bits) - 1
     fL = np.float32(L)
@@ -579,12 +622,13 @@ def _minmax_encode(x, bs, bits, stochastic, key, lo_out, unit_out, packed, e, d,
                     q = np.floor((xs[i] - lo) * inv + np.float32(0.5))
                     c[i] = np.uint8(min(max(q, zero), fL))
         _pack_into(c, m, bits, packed[(s // 8) * bits:])
-        _ef_output(_MINMAX, c, lo_out[b], unit_out[b], np.uint8(0), xs, e, d, s, m, mode)
+        _ef_output(_MINMAX, c, lo_out[b], unit_out[b], np.uint8(0), xs, e, d, s, m, mode, acc)
 
 
 def minmax_encode(x, bs, bits, stochastic, key, lo_out, unit_out, packed):
     if x.size:
-        _minmax_encode(x, bs, bits, stochastic, key, lo_out, unit_out, packed, None, None, _PLAIN)
+        _minmax_encode(x, bs, bits, stochastic, key, lo_out, unit_out, packed, None, None, _PLAIN,
+                       _NOACC)
 
 
 @njit(**_JIT)
@@ -621,7 +665,7 @@ def _fixed_code(v, u, mul, fL, nan):
 
 
 @njit(**_JIT)
-def _fixed_encode(x, bits, scale, stochastic, key, packed, e, d, mode):
+def _fixed_encode(x, bits, scale, stochastic, key, packed, e, d, mode, acc):
     n = x.size
     L = (1 << (bits - 1)) - 1
     fL = np.float32(L)
@@ -643,12 +687,12 @@ def _fixed_encode(x, bits, scale, stochastic, key, packed, e, d, mode):
             for i in range(m):
                 c[i] = _fixed_code(xs[i], np.float32(0.5), mul, fL, nan_code)
         _pack_into(c, m, bits, packed[(s // 8) * bits:])
-        _ef_output(_FIXED, c, fL, step, nan_code, xs, e, d, s, m, mode)
+        _ef_output(_FIXED, c, fL, step, nan_code, xs, e, d, s, m, mode, acc)
 
 
 def fixed_encode(x, bits, scale, stochastic, key, packed):
     if x.size:
-        _fixed_encode(x, bits, scale, stochastic, key, packed, None, None, _PLAIN)
+        _fixed_encode(x, bits, scale, stochastic, key, packed, None, None, _PLAIN, _NOACC)
 
 
 @njit(**_JIT)
@@ -670,13 +714,13 @@ def fixed_decode(packed, n, bits, scale, out, add=False):
 # --- qsgd / terngrad -----------------------------------------------------------------------
 
 @njit(**_JIT)
-def _signlevel_encode(x, bs, s_, bits, l2, key, scale_out, packed, e, d, mode):
+def _signlevel_encode(x, bs, s_, bits, l2, key, scale_out, packed, e, d, mode, acc):
     n = x.size
     c = np.empty(min(bs, n), np.uint8)
     ys = np.empty(min(bs, n) if mode & Fuse.RESIDUAL else 0, np.float32)
     w = np.empty(min(bs, n) // 2 + 4, np.uint32)
     wh = w.view(np.uint16)
-    acc = np.zeros(LANES)
+    sq = np.zeros(LANES)
     sbit = np.uint8(1 << (bits - 1))
     lmask = np.uint8(sbit - 1)
     fs = np.float32(s_)
@@ -685,17 +729,17 @@ def _signlevel_encode(x, bs, s_, bits, l2, key, scale_out, packed, e, d, mode):
         m = min(bs, n - s)
         xs = _ef_input(x, e, s, m, mode, ys)
         if l2:
-            acc[:] = 0.0
+            sq[:] = 0.0
             full = m // LANES
             for t in range(full):
                 r = xs[t * LANES:(t + 1) * LANES]
                 for j in range(LANES):
                     v = np.float64(r[j])
-                    acc[j] += v * v
+                    sq[j] += v * v
             for j in range(m - full * LANES):
                 v = np.float64(xs[full * LANES + j])
-                acc[j] += v * v
-            total = _fold(acc)
+                sq[j] += v * v
+            total = _fold(sq)
             bad = not np.isfinite(total)
             scale = np.float32(0.0) if bad else np.float32(np.sqrt(total))
         else:
@@ -718,12 +762,13 @@ def _signlevel_encode(x, bs, s_, bits, l2, key, scale_out, packed, e, d, mode):
                 c[i] = lv | (sbit if (v < 0 and lv > 0) else np.uint8(0))
         _pack_into(c, m, bits, packed[(s // 8) * bits:])
         unit = np.float32(np.float64(scale_out[b]) / s_)
-        _ef_output(_SIGNLEVEL, c, unit, unit, lmask, xs, e, d, s, m, mode)
+        _ef_output(_SIGNLEVEL, c, unit, unit, lmask, xs, e, d, s, m, mode, acc)
 
 
 def signlevel_encode(x, bs, levels, bits, l2, key, scale_out, packed):
     if x.size:
-        _signlevel_encode(x, bs, levels, bits, l2, key, scale_out, packed, None, None, _PLAIN)
+        _signlevel_encode(x, bs, levels, bits, l2, key, scale_out, packed, None, None, _PLAIN,
+                          _NOACC)
 
 
 @njit(**_JIT)
@@ -750,7 +795,7 @@ def signlevel_decode(packed, n, bs, levels, bits, scale, out, add=False):
 # --- onebit ----------------------------------------------------------------------------------
 
 @njit(**_JIT)
-def _onebit_encode(x, bs, pos_out, neg_out, packed, e, d, mode):
+def _onebit_encode(x, bs, pos_out, neg_out, packed, e, d, mode, acc):
     n = x.size
     c = np.empty(min(bs, n), np.uint8)
     ys = np.empty(min(bs, n) if mode & Fuse.RESIDUAL else 0, np.float32)
@@ -793,12 +838,12 @@ def _onebit_encode(x, bs, pos_out, neg_out, packed, e, d, mode):
             for i in range(m):
                 c[i] = xs[i] >= np.float32(0.0)
         _pack_into(c, m, 1, packed[s // 8:])
-        _ef_output(_ONEBIT, c, pos_out[b], neg_out[b], np.uint8(0), xs, e, d, s, m, mode)
+        _ef_output(_ONEBIT, c, pos_out[b], neg_out[b], np.uint8(0), xs, e, d, s, m, mode, acc)
 
 
 def onebit_encode(x, bs, pos_out, neg_out, packed):
     if x.size:
-        _onebit_encode(x, bs, pos_out, neg_out, packed, None, None, _PLAIN)
+        _onebit_encode(x, bs, pos_out, neg_out, packed, None, None, _PLAIN, _NOACC)
 
 
 @njit(**_JIT)
@@ -833,50 +878,120 @@ def onebit_decode(packed, n, bs, pos, neg, out, add=False):
 
 # --- fused compression (error feedback, round trips) ----------------------------------------
 
-def f32_to_f16_fused(x, out, residual=None, decoded=None):
+def _lanes(tally, residual):
+    """Lanes to accumulate the new residual's squares in (empty: no tally asked)."""
+    return np.zeros(LANES) if tally is not None and residual is not None else _NOACC
+
+
+def _tally(tally, acc, n):
+    """``tally += (sq_norm of the residual, n)`` from its lanes ``acc``."""
+    if acc.size:
+        from ._numpy import fold_lanes
+        tally[0] += fold_lanes(acc)
+        tally[1] += n
+
+
+def f32_to_f16_fused(x, out, residual=None, decoded=None, tally=None):
     """:func:`f32_to_f16` of ``y = x (+ residual)``, leaving ``residual = y - decoded``
-    and/or ``decoded`` (which may be ``x``) in the same pass."""
+    and/or ``decoded`` (which may be ``x``) in the same pass; ``tally`` (float64[2]):
+    ``+= (sq_norm(residual), n)`` of the new residual, in the same pass."""
     if x.size:
         mode, e, d = _mode(x, residual, decoded, into_x=True)
-        _f16_encode(x, out, e, d, mode)
+        acc = _lanes(tally, residual)
+        _f16_encode(x, out, e, d, mode, acc)
+        _tally(tally, acc, x.size)
 
 
-def f32_to_bf16_fused(x, out, residual=None, decoded=None):
+def f32_to_bf16_fused(x, out, residual=None, decoded=None, tally=None):
     """:func:`f32_to_bf16` fused likewise."""
     if x.size:
         mode, e, d = _mode(x, residual, decoded, into_x=True)
-        _bf16_encode(x, out, e, d, mode)
+        acc = _lanes(tally, residual)
+        _bf16_encode(x, out, e, d, mode, acc)
+        _tally(tally, acc, x.size)
 
 
 def minmax_encode_fused(x, bs, bits, stochastic, key, lo_out, unit_out, packed,
-                        residual=None, decoded=None):
+                        residual=None, decoded=None, tally=None):
     """:func:`minmax_encode` of ``y = x (+ residual)``, leaving ``residual = y - decoded``
-    and/or ``decoded`` (may be ``x``) per bucket: the bytes of the plain kernels composed."""
+    and/or ``decoded`` (may be ``x``) per bucket: the bytes of the plain kernels composed;
+    ``tally`` as for :func:`f32_to_f16_fused`."""
     if x.size:
         mode, e, d = _mode(x, residual, decoded)
-        _minmax_encode(x, bs, bits, stochastic, key, lo_out, unit_out, packed, e, d, mode)
+        acc = _lanes(tally, residual)
+        _minmax_encode(x, bs, bits, stochastic, key, lo_out, unit_out, packed, e, d, mode, acc)
+        _tally(tally, acc, x.size)
 
 
-def fixed_encode_fused(x, bits, scale, stochastic, key, packed, residual=None, decoded=None):
+def fixed_encode_fused(x, bits, scale, stochastic, key, packed, residual=None, decoded=None,
+                       tally=None):
     """:func:`fixed_encode` fused likewise."""
     if x.size:
         mode, e, d = _mode(x, residual, decoded)
-        _fixed_encode(x, bits, scale, stochastic, key, packed, e, d, mode)
+        acc = _lanes(tally, residual)
+        _fixed_encode(x, bits, scale, stochastic, key, packed, e, d, mode, acc)
+        _tally(tally, acc, x.size)
 
 
 def signlevel_encode_fused(x, bs, levels, bits, l2, key, scale_out, packed, residual=None,
-                           decoded=None):
+                           decoded=None, tally=None):
     """:func:`signlevel_encode` fused likewise."""
     if x.size:
         mode, e, d = _mode(x, residual, decoded)
-        _signlevel_encode(x, bs, levels, bits, l2, key, scale_out, packed, e, d, mode)
+        acc = _lanes(tally, residual)
+        _signlevel_encode(x, bs, levels, bits, l2, key, scale_out, packed, e, d, mode, acc)
+        _tally(tally, acc, x.size)
 
 
-def onebit_encode_fused(x, bs, pos_out, neg_out, packed, residual=None, decoded=None):
+def onebit_encode_fused(x, bs, pos_out, neg_out, packed, residual=None, decoded=None,
+                        tally=None):
     """:func:`onebit_encode` fused likewise."""
     if x.size:
         mode, e, d = _mode(x, residual, decoded)
-        _onebit_encode(x, bs, pos_out, neg_out, packed, e, d, mode)
+        acc = _lanes(tally, residual)
+        _onebit_encode(x, bs, pos_out, neg_out, packed, e, d, mode, acc)
+        _tally(tally, acc, x.size)
+
+
+# --- squared norms (the divergence guard's) ---------------------------------------------------
+
+@njit(**_JIT)
+def _sq_lanes(a, acc):
+    _acc_sq(acc, a, 0)
+
+
+@njit(**_JIT)
+def _copy_sq_lanes(src, dst, acc):
+    n = src.size
+    for s in range(0, n, _CAST_BLOCK):
+        m = min(_CAST_BLOCK, n - s)
+        d = dst[s:s + m]
+        r = src[s:s + m]
+        for i in range(m):
+            d[i] = r[i]
+        _acc_sq(acc, d, s)
+
+
+def sq_norm(a):
+    """:func:`._numpy.sq_norm` (float32 / float64 arrays here; others there)."""
+    from ._numpy import fold_lanes, sq_norm as reference
+    a = a.reshape(-1)
+    if a.dtype not in (np.float32, np.float64) or not a.flags.c_contiguous:
+        return reference(a)
+    acc = np.zeros(LANES)
+    _sq_lanes(a, acc)
+    return fold_lanes(acc)
+
+
+def copy_sq_norm(src, dst):
+    """``dst[...] = src`` and its :func:`sq_norm` in one pass (flat float32 / float64)."""
+    from ._numpy import copy_sq_norm as reference, fold_lanes
+    if src.dtype not in (np.float32, np.float64) or src.dtype != dst.dtype or \
+            not (src.flags.c_contiguous and dst.flags.c_contiguous) or src.size != dst.size:
+        return reference(src, dst)
+    acc = np.zeros(LANES)
+    _copy_sq_lanes(src, dst, acc)
+    return fold_lanes(acc)
 
 
 # --- topk / randomk ------------------------------------------------------------------------
@@ -931,6 +1046,58 @@ def _gather(x, idx, out):
         out[j] = x[idx[j]]
 
 
+@njit(**_JIT)
+def _add_candidates(x, e, mask, t, cand):
+    """e = e + x, and the indices with ``bits(e) & mask >= t`` into cand, in one pass
+    (as :func:`_topk_candidates` of the new e)."""
+    c = 0
+    cap = cand.size
+    for i in range(e.size):
+        y = e[i] + x[i]
+        e[i] = y
+        if _f32_as_u32(y) & mask >= t:
+            if c < cap:
+                cand[c] = i
+            c += 1
+    return c
+
+
+def _threshold(sample, n, k):
+    """(key threshold of the candidates, their capacity) from a key sample (None: the
+    sample cannot bound the selection)."""
+    f = k * _SAMPLE / n
+    r = int(f + 4.0 * f ** 0.5 + 2)
+    if r >= _SAMPLE:
+        return None
+    return np.partition(sample, _SAMPLE - r)[_SAMPLE - r], min(n, int(2 * r * n / _SAMPLE) + 1024)
+
+
+def topk_select_add(x: np.ndarray, e: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """``e += x``, then :func:`topk_select` of ``e``: the same indices and values, with the
+    addition and the candidates' pass fused (float32; other dtypes step by step)."""
+    n = e.size
+    k = min(k, n)
+    if e.dtype != np.float32 or x.dtype != np.float32 or k == n or k == 0 or \
+            n < 4 * _SAMPLE or k > n // 8:
+        np.add(e, x, out=e)
+        return topk_select(e, k)
+    step = n // _SAMPLE
+    mask = np.uint32(0x7FFFFFFF)
+    with np.errstate(all="ignore"):                       # the sample of y = e + x
+        ys = e[::step][:_SAMPLE] + x[::step][:_SAMPLE]
+    got = _threshold(ys.view(np.uint32) & mask, n, k)
+    if got is None:
+        np.add(e, x, out=e)
+        return topk_select(e, k)
+    t, cap = got
+    cand = np.empty(cap, np.int64)
+    c = _add_candidates(x, e, mask, t, cand)
+    if c < k or c > cap:                       # unlucky sample or adversarial data
+        from . import _numpy
+        return _numpy.topk_select(e, k)
+    return _take(e, e.view(np.uint32), mask, cand[:c], k)
+
+
 def topk_select(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Same result as the numpy path, from a sampled threshold (DGC) and one pass."""
     from . import _numpy
@@ -942,17 +1109,21 @@ def topk_select(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     mask = keys.dtype.type((1 << (8 * x.itemsize - 1)) - 1)
     step = n // _SAMPLE
     sample = keys[::step][:_SAMPLE] & mask
-    f = k * _SAMPLE / n
-    r = int(f + 4.0 * f ** 0.5 + 2)
-    if r >= _SAMPLE:
+    got = _threshold(sample, n, k)
+    if got is None:
         return _numpy.topk_select(x, k)
-    t = np.partition(sample, _SAMPLE - r)[_SAMPLE - r]
-    cap = min(n, int(2 * r * n / _SAMPLE) + 1024)
+    t, cap = got
     cand = np.empty(cap, np.int64)
     c = _topk_candidates(keys, mask, t, cand)
     if c < k or c > cap:                       # unlucky sample or adversarial data
         return _numpy.topk_select(x, k)
-    cand = cand[:c]
+    return _take(x, keys, mask, cand[:c], k)
+
+
+def _take(x, keys, mask, cand, k):
+    """The k largest of the candidates ``cand`` (every index with a key >= the threshold,
+    ascending): (indices, values)."""
+    c = cand.size
     ck = np.empty(c, keys.dtype)
     _masked_gather(keys, mask, cand, ck)
     t = np.partition(ck, c - k)[c - k]              # the k-th largest key

@@ -555,3 +555,50 @@ def _draw(words: np.ndarray, n: int) -> np.ndarray:
 
 def all_finite(x: np.ndarray) -> bool:
     return bool(np.isfinite(x).all())
+
+
+# --- squared norms (the divergence guard's) -------------------------------------------------
+# ``sq_norm(a)``: float64 squares of the elements (exact for float32), element ``i`` into
+# lane ``i % 64``, each lane summed in order from +0.0, lanes folded as the bucket sums are.
+# The numba fused encoders add the same sum of their residual to a tally in their pass.
+
+_NORM_ROWS = 1 << 14
+
+
+def fold_lanes(acc: np.ndarray) -> float:
+    """``acc`` (float64[64] lane sums) folded as ``acc[:h] += acc[h:2h]``, h = 32 .. 1."""
+    acc = np.array(acc, np.float64)
+    h = LANES // 2
+    while h:
+        acc[:h] += acc[h:2 * h]
+        h //= 2
+    return float(acc[0])
+
+
+@_quiet
+def sq_norm(a: np.ndarray) -> float:
+    """``sum(a * a)`` of a flat float array in float64, in the 64-lane order (NaN or inf
+    if ``a`` holds one)."""
+    a = a.reshape(-1)
+    n = a.size
+    full = n // LANES
+    acc = np.zeros(LANES)
+    if full:
+        rows = a[:full * LANES].reshape(full, LANES)
+        tmp = np.empty((min(_NORM_ROWS, full) + 1, LANES))
+        for r0 in range(0, full, _NORM_ROWS):
+            r = min(_NORM_ROWS, full - r0)
+            t = tmp[:r + 1]
+            t[0] = acc                          # the lanes so far, then rows in order
+            np.multiply(rows[r0:r0 + r], rows[r0:r0 + r], out=t[1:], dtype=np.float64)
+            acc = t.sum(axis=0)                 # axis 0: row after row, per lane
+    if n > full * LANES:
+        tail = a[full * LANES:].astype(np.float64)
+        acc[:tail.size] += tail * tail
+    return fold_lanes(acc)
+
+
+def copy_sq_norm(src: np.ndarray, dst: np.ndarray) -> float:
+    """``dst[...] = src`` (flat, same dtype) and :func:`sq_norm` of it."""
+    np.copyto(dst, src)
+    return sq_norm(dst)

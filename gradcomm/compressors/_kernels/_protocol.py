@@ -107,39 +107,54 @@ class Kernels(Protocol):
     def all_finite(self, x: Any) -> bool:
         """Whether no element of ``x`` is NaN or +-inf."""
 
+    # -- squared norms (the divergence guard's)
+    def sq_norm(self, a: Any) -> float:
+        """``sum(a * a)`` in float64, in the 64-lane order of :mod:`._numpy` (NaN or inf if
+        ``a`` holds one)."""
+
+    def copy_sq_norm(self, src: Any, dst: Any) -> float:
+        """``dst[...] = src`` and :meth:`sq_norm` of it, in one pass where the path can."""
+
 
 class FusedKernels(Kernels, Protocol):
     """Encoders that also take ``residual`` e and ``decoded`` d (either may be None; d may
     be ``x``): encode ``y = x + e``, then leave ``e = y - decode`` and/or ``d = decode``
     in the same pass, with the bytes of the plain kernels composed
-    (:func:`~gradcomm.compressors.base.compose`). float32 host arrays."""
+    (:func:`~gradcomm.compressors.base.compose`). float32 host arrays. With ``tally``
+    (float64[2]) and ``residual``, ``tally += (sq_norm(e), e.size)`` of the new ``e``,
+    in the same pass (the divergence guard's residual norm)."""
 
     def f32_to_f16_fused(self, x: Any, out: Any, residual: Any = None,
-                         decoded: Any = None) -> None:
+                         decoded: Any = None, tally: Any = None) -> None:
         """:meth:`f32_to_f16`, fused."""
 
     def f32_to_bf16_fused(self, x: Any, out: Any, residual: Any = None,
-                          decoded: Any = None) -> None:
+                          decoded: Any = None, tally: Any = None) -> None:
         """:meth:`f32_to_bf16`, fused."""
 
     def minmax_encode_fused(self, x: Any, bs: int, bits: int, stochastic: bool, key: Any,
                             lo_out: Any, unit_out: Any, packed: Any, residual: Any = None,
-                            decoded: Any = None) -> None:
+                            decoded: Any = None, tally: Any = None) -> None:
         """:meth:`minmax_encode`, fused."""
 
     def fixed_encode_fused(self, x: Any, bits: int, scale: float, stochastic: bool,
                            key: Any, packed: Any, residual: Any = None,
-                           decoded: Any = None) -> None:
+                           decoded: Any = None, tally: Any = None) -> None:
         """:meth:`fixed_encode`, fused."""
 
     def signlevel_encode_fused(self, x: Any, bs: int, levels: int, bits: int, l2: bool,
                                key: Any, scale_out: Any, packed: Any, residual: Any = None,
-                               decoded: Any = None) -> None:
+                               decoded: Any = None, tally: Any = None) -> None:
         """:meth:`signlevel_encode`, fused."""
 
     def onebit_encode_fused(self, x: Any, bs: int, pos_out: Any, neg_out: Any, packed: Any,
-                            residual: Any = None, decoded: Any = None) -> None:
+                            residual: Any = None, decoded: Any = None,
+                            tally: Any = None) -> None:
         """:meth:`onebit_encode`, fused."""
+
+    def topk_select_add(self, x: Any, e: Any, k: int) -> tuple[Any, Any]:
+        """``e += x``, then :meth:`topk_select` of ``e`` (the addition fused into the
+        selection's pass)."""
 
 
 def members(protocol: type) -> tuple[str, ...]:

@@ -520,3 +520,33 @@ def onebit_decode(packed, n, bs, pos, neg, out, add=False) -> int:
         _onebit_decode(packed[s // 8:s // 8 + (m + 7) // 8], m, bs, pos[b:b + nb],
                        neg[b:b + nb], out[s:s + m], add)
     return 0
+
+
+# --- squared norms (the divergence guard's) ----------------------------------------------
+
+def sq_norm(a) -> float:
+    """``sum(a * a)`` in float64 over the reference's 64 lanes, folded in its order; each
+    lane is summed by the library's ``sum`` (its order is unspecified, so the value may
+    differ from the reference's in the last bits)."""
+    xp = arrays.namespace(a)
+    n = arrays.size(a)
+    full = n // LANES
+    acc = xp.zeros((LANES,), dtype=xp.float64, device=_dev(a))
+    v = xp.astype(a, xp.float64)
+    v = v * v
+    if full:
+        acc = acc + xp.sum(xp.reshape(v[:full * LANES], (full, LANES)), axis=0)
+    if n > full * LANES:
+        tail = v[full * LANES:]
+        acc = _cat(xp, [acc[:n - full * LANES] + tail, acc[n - full * LANES:]])
+    h = LANES // 2
+    while h:
+        acc = _cat(xp, [acc[:h] + acc[h:2 * h], acc[2 * h:]])
+        h //= 2
+    return float(acc[0])
+
+
+def copy_sq_norm(src, dst) -> float:
+    """``dst[...] = src`` and :func:`sq_norm` of it."""
+    _assign(dst, src)
+    return sq_norm(dst)

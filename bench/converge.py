@@ -88,7 +88,8 @@ def train_one(v: dict[str, Any], task: str, optim: str, data: Any, args: argpars
         from gradcomm.integrations.ddp import make_comm_hook
 
         codec = None if v["codec"] == "none" else v["codec"]
-        kw: dict[str, Any] = dict(v["options"])
+        kw: dict[str, Any] = {k: None if val == "none" else val        # clip=none: off
+                              for k, val in v["options"].items()}
         if codec is not None:
             kw["error_feedback"] = v["ef"]
         if kw.pop("opt", 0):
@@ -141,8 +142,10 @@ def train_one(v: dict[str, Any], task: str, optim: str, data: Any, args: argpars
         if state is not None:
             state.close()
     nparams = sum(p.numel() for p in model.parameters())
+    ring = 2 * (world - 1) / world            # the library's dense steps, ring-equivalent
     local = {"t": statistics.fmean(times[len(times) // 10:]),
-             "sent": stats.get("bytes_sent", 0) / steps}
+             "sent": (stats.get("bytes_sent", 0) + ring * stats.get("native_nbytes", 0))
+             / steps}
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, local)
     final = curve[-1]
@@ -203,8 +206,10 @@ def add_reference(rows: list[dict[str, Any]], tol: float) -> None:
 def markdown(rows: list[dict[str, Any]], tol: float, load: str) -> str:
     out = [f"Accuracy gap to `ddp` in points; 'reach': first step at which the test accuracy "
            f"was within {tol:g} point of ddp's final accuracy ('-': never); residual: "
-           f"sqrt(sum over ranks ||e||^2) at the end; B/step: gradcomm's bytes sent per "
-           f"rank per step (ddp: the ring-equivalent dense bytes); time: per step vs ddp in "
+           f"sqrt(sum over ranks ||e||^2) at the end; B/step: bytes sent per rank per "
+           f"step, gradcomm's messages plus the hook's dense (start_iter) steps handed to "
+           f"the library, ring-equivalent (ddp: the ring-equivalent dense bytes; "
+           f"onebitadam: its compressed steps only); time: per step vs ddp in "
            f"the same launch. Load: {load}.", ""]
     cells = sorted({(r["task"], r["optim"], r["p"]) for r in rows})
     for task, optim, p in cells:

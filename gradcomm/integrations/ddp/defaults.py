@@ -1,6 +1,8 @@
-"""The DDP hook's measured defaults: warm-up lengths and PowerSGD's rank.
+"""The DDP hook's measured defaults: warm-up lengths, top-k's sparsity ramp, PowerSGD's
+rank and random-k's ratio.
 
-``start_iter="auto"`` and ``make_comm_hook("powersgd")`` without ``rank=`` read them;
+``start_iter="auto"``, ``ramp="auto"``, ``make_comm_hook("powersgd")`` without ``rank=``
+and ``make_comm_hook("randomk")`` without ``ratio=`` read them;
 the measurements behind each number are in bench/RESULTS.md (issue 13).
 
 Example:
@@ -18,10 +20,27 @@ from .momentum import MASKED_CODECS
 #: dense backward passes that ``start_iter="auto"`` runs first for a sparsifier below 1 %
 #: (measured in bench/converge.py: bench/RESULTS.md, issue 13)
 SPARSE_WARMUP = 100
+#: steps per stage of the sparsity ramp that ``ramp="auto"`` gives topk below 1 %
+SPARSE_RAMP = 25
 #: ``make_comm_hook("powersgd")``'s rank, and its dense warm-up under ``start_iter="auto"``
 #: (rank 1, the codec's default, lost 7.6-8.2 points on a 10-class task; rank 4 after 50
 #: dense steps 0.7-1.3: bench/RESULTS.md, issue 13)
 POWERSGD_RANK, POWERSGD_WARMUP = 4, 50
+#: ``make_comm_hook("randomk")``'s ratio (the codec's own default stays 0.01). Random-k
+#: with error feedback sends each coordinate about once per ``1/ratio`` steps, carrying
+#: that many steps' gradients: at 1 % a 900-step run fell 33 points short (5 %: 27,
+#: 10 %: 27 clipped, 3.5 unclipped), at 25 % it trained (bench/RESULTS.md, issue 13).
+#: Random-k sends values only (the positions come from the shared seed), so 25 % is a
+#: quarter of the dense bytes.
+RANDOMK_RATIO = 0.25
+
+
+def default_ramp(codec: Any) -> int | None:
+    """``ramp="auto"``: :data:`SPARSE_RAMP` steps per stage of DGC's sparsity warm-up
+    (:mod:`.ramp`) for topk below 1 %, else None (no ramp)."""
+    if codec is None or codec.name != "topk":
+        return None
+    return SPARSE_RAMP if float(codec.get_config().get("ratio", 1.0)) < 0.01 else None
 
 
 def default_start_iter(codec: Any) -> int:
@@ -42,4 +61,5 @@ def default_start_iter(codec: Any) -> int:
     return SPARSE_WARMUP if float(codec.get_config().get("ratio", 1.0)) < 0.01 else 0
 
 
-__all__ = ["POWERSGD_RANK", "POWERSGD_WARMUP", "SPARSE_WARMUP", "default_start_iter"]
+__all__ = ["POWERSGD_RANK", "POWERSGD_WARMUP", "RANDOMK_RATIO", "SPARSE_RAMP", "SPARSE_WARMUP",
+           "default_ramp", "default_start_iter"]

@@ -34,9 +34,10 @@ from ...errors import ConfigError, GradcommError
 from . import checkpoint
 from . import lifecycle
 from .groups import resolve_transports
-from .defaults import POWERSGD_RANK, default_start_iter
+from .defaults import POWERSGD_RANK, RANDOMK_RATIO, default_ramp, default_start_iter
 from .momentum import (CORRECTED_CODECS, MASKED_CODECS, SGD_FEEDBACK_CODECS, OptimizerWatch, feedback_with,
                        found_momentum, momentum_correction, restored)
+from .ramp import SparsityRamp
 from .replay import Replay
 from .residuals import ParameterResiduals
 from .routes import Routes
@@ -65,14 +66,18 @@ class CommHookState:
                  seed: int = 0, timeout: float | None = None, guard: bool = True,
                  residual_bound: float | None = DEFAULT_BOUND, momentum: float | None = None,
                  optimizer: Any = "auto", clip: float | None | str = "auto",
-                 **options: Any) -> None:
+                 ramp: int | None | str = "auto", **options: Any) -> None:
         if compressor == "powersgd" and "rank" not in options:
             options = {**options, "rank": POWERSGD_RANK}
+        if compressor == "randomk" and "ratio" not in options and "k" not in options:
+            options = {**options, "ratio": RANDOMK_RATIO}
         #: the validated configuration (the same checks and words as Allreduce and wrap)
         self.reduction = Reduction.configure(
             algorithm=algorithm, compressor=compressor, options=options, seed=seed,
             check_algorithm=True, lossless_dense=True)
         self.compressor = self.reduction.compressor
+        if ramp == "auto":
+            ramp = default_ramp(self.compressor)
         if start_iter == "auto":
             start_iter = default_start_iter(self.compressor)
         if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
@@ -100,7 +105,8 @@ class CommHookState:
                              self.residuals, guard=guard,
                              residual_bound=check_bound(residual_bound),
                              momentum=momentum_correction(c, momentum, optimizer), clip=clip,
-                             stateful=self._watch is not None)
+                             stateful=self._watch is not None,
+                             ramp=None if ramp is None else SparsityRamp(c, ramp, start_iter))
         self.iter = 0
         self._names: dict[int, str] | None = None
         self._position: dict[int, str] = {}

@@ -26,7 +26,13 @@ def make_comm_hook(compressor: Any = None, *, algorithm: str = "auto",
     Args:
         compressor: None (plain averaging), a codec name with its options in
             ``**options`` (e.g. ``ratio=0.01``), or a Compressor. ``"powersgd"``
-            without ``rank=`` gets rank :data:`~.defaults.POWERSGD_RANK` (4) here, not the codec's 1.
+            without ``rank=`` gets rank :data:`~.defaults.POWERSGD_RANK` (4) here, not the
+            codec's 1; ``"randomk"`` without ``ratio=``/``k=`` gets ratio
+            :data:`~.defaults.RANDOMK_RATIO` (0.25), not the codec's 0.01: random-k with
+            error feedback sends each coordinate once per ``1/ratio`` steps with that
+            many steps' gradients, and at 1 % it does not train in runs of 10^3 steps
+            (33-50 points short, bench/RESULTS.md); at 25 % it sends a quarter of the
+            dense bytes (values only: the positions come from the shared seed).
         algorithm: any gradcomm allreduce algorithm the compressor composes with.
         error_feedback: keep per-parameter residuals of the compression error.
         process_group: DDP's process group (default: the default group). For an NCCL
@@ -36,9 +42,17 @@ def make_comm_hook(compressor: Any = None, *, algorithm: str = "auto",
             (``MPI.COMM_WORLD``, for jobs started with mpirun), an mpi4py communicator or a
             gradcomm Transport.
         start_iter: backward passes to run uncompressed first; ``"auto"``:
-            :data:`~.defaults.SPARSE_WARMUP` (100) for topk and randomk below 1 % (DGC's warm-up,
-            as dense steps: they cost 100 dense steps' bytes), 50 for ``powersgd``,
-            else 0.
+            :data:`~.defaults.SPARSE_WARMUP` (100) for topk and randomk below 1 % (they
+            cost 100 dense steps' bytes), 50 for ``powersgd``, else 0.
+        ramp: **DGC's sparsity warm-up** (:mod:`.ramp`): steps per stage of densities
+            25 %, 6.25 %, 1.5625 %, 0.39 % before the codec's own ratio (stages not
+            above it are skipped), from ``start_iter`` on; ``"auto"``:
+            :data:`~.defaults.SPARSE_RAMP` (25) for topk below 1 %, else None (no
+            ramp). Top-k 0.1 %'s residuals hold the early, fast-changing steps' mass
+            back until it is stale: after the dense steps the ramp lets the residuals
+            fill gradually (measured: 100 dense steps then the ramp -1.5 points at p=4
+            where 100 dense steps alone lost 2.1 and the ramp alone 4.5; it adds a
+            sixth (p=2) to a third (p=4) of a 100-dense-step warm-up's bytes).
         model: the DDP model (or its module), to name residuals after its parameters.
         optimizer: the training's optimizer; ``"auto"`` (default): the hook finds it
             at its first ``step()`` (torch's global step pre-hook; the first backward
@@ -69,16 +83,22 @@ def make_comm_hook(compressor: Any = None, *, algorithm: str = "auto",
         clip: **clipping that respects error feedback**: a reduced bucket longer than
             ``clip`` times the sum of the ranks' input norms is scaled down to it and
             what is cut off goes back into the residuals (nothing is lost, it arrives
-            later). ``"auto"``: ``sqrt(ratio)`` for ``randomk`` (unclipped, its error
-            feedback sends many steps' worth of a coordinate at once and diverges at
-            momentum 0.9), None (off) for the other codecs.
+            later). ``"auto"``: for ``randomk`` ``sqrt(ratio)`` below 25 % (unclipped,
+            its error feedback sends many steps' worth of a coordinate at once and
+            diverges at momentum 0.9) and 1 from 25 % on (the default 0.25: ``sqrt``
+            cut every step), None (off) for the other codecs
+            (:func:`~gradcomm.compressed.guard.default_clip`).
         options: codec options, plus ``seed`` (stochastic codecs) and ``timeout``
             (seconds per blocking wait).
 
     Convergence (bench/converge.py, bench/RESULTS.md): the defaults find the optimizer
     (momentum correction for topk, randomk and onebit with SGD; TernGrad's error feedback
-    with SGD only); ``start_iter`` (a few hundred steps) helps top-k 0.1 %; with AdamW use
-    :class:`~gradcomm.integrations.onebit_adam.OneBitAdam`.
+    with SGD only); top-k below 1 % ramps its sparsity after its dense steps; random-k
+    defaults to 25 %. With
+    Adam/AdamW the hook compresses Adam's gradients, which costs points for the
+    sparsifiers, onebit and TernGrad (it warns when it finds the optimizer): use
+    :class:`~gradcomm.integrations.onebit_adam.OneBitAdam`, which compresses the
+    preconditioned momentum after a dense warm-up.
 
     See the module docstring for the steps, checkpoints and parity.
     """

@@ -265,7 +265,12 @@ def feedback_with(codec: Any, optimizer: Any) -> bool:
     """Whether error feedback stays on for ``codec`` once the hook found ``optimizer``."""
     import torch
 
-    return codec.name not in SGD_FEEDBACK_CODECS or isinstance(optimizer, torch.optim.SGD)
+    if codec.name not in SGD_FEEDBACK_CODECS or isinstance(optimizer, torch.optim.SGD):
+        return True
+    warnings.warn(f"make_comm_hook: {codec.name}'s error feedback is off with "
+                  f"{type(optimizer).__qualname__} (it costs Adam points); for Adam use "
+                  "gradcomm.integrations.onebit_adam.OneBitAdam", UserWarning, stacklevel=4)
+    return False
 
 
 def found_momentum(codec: Any, momentum: float | None,

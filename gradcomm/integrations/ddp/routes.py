@@ -52,6 +52,7 @@ from ...compressed.guard import DEFAULT_BOUND, Agreement, Guard, agreement
 from ...errors import ConfigError, UnsupportedError
 from . import cast
 from .momentum import MomentumCorrection
+from .ramp import SparsityRamp
 from .residuals import ParameterResiduals, unit_key
 
 #: compressed algorithms the hook runs where the bucket lives (gather routes; "auto" means
@@ -108,7 +109,8 @@ class Routes:
                  residuals: ParameterResiduals, *, guard: bool = True,
                  residual_bound: float | None = DEFAULT_BOUND,
                  momentum: MomentumCorrection | None = None,
-                 clip: float | None = None, stateful: bool = False) -> None:
+                 clip: float | None = None, stateful: bool = False,
+                 ramp: SparsityRamp | None = None) -> None:
         self.transport, self.library = transport, library
         self.compressor, self.algorithm = reduction.compressor, reduction.algorithm
         self.seed = int(reduction.seed or 0)
@@ -128,6 +130,8 @@ class Routes:
         self.checked: set[tuple[int, str, bool]] = set()
         self.no_native: set[str] = set()       # dtypes the library cannot reduce
         self.plans: dict[tuple[Any, ...], Plan] = {}
+        #: DGC's sparsity warm-up (:mod:`.ramp`): the codec of each early iteration
+        self.ramp = ramp
 
     def plan(self, flat: Any, keys: list[str], compressed: bool) -> Plan:
         """The :class:`Plan` of bucket (or unit) ``flat`` of parameters ``keys``, made at
@@ -152,6 +156,8 @@ class Routes:
         ``step``: the hook's iteration (it seeds the codecs)."""
         t = self.transport
         began, sent = time.perf_counter(), t.stats.bytes_sent
+        if compressed and self.ramp is not None:
+            self._use(self.ramp.codec(step))
         plan = self.plan(flat, keys, compressed)
         sig = (flat.numel(), flat.dtype, compressed)
         check = sig not in self.checked    # agree on new shapes only: gloo messages cost ms
@@ -165,6 +171,16 @@ class Routes:
         self.stats["buckets"] += 1
         self.stats["bytes_sent"] += t.stats.bytes_sent - sent
         self.stats["comm_seconds"] += time.perf_counter() - began
+
+    def _use(self, codec: Any) -> None:
+        """Compress with ``codec`` from now on (a ramp's next stage, on every rank at the
+        same iteration): the compressed plans are made anew and their shapes agreed."""
+        if codec is self.compressor:
+            return
+        self.compressor = codec
+        for sig in [s for s in self.plans if s[-1]]:
+            del self.plans[sig]
+        self.checked.difference_update([s for s in self.checked if s[2]])
 
     def route(self, meta: arrays.Meta, compressed: bool) -> str:
         """Where a bucket described by ``meta`` is reduced: ``"device"`` (compressed,

@@ -100,7 +100,8 @@ def one_rank(fn):
     return run_ranks(1, fn, timeout=30)[0]
 
 
-def test_sparsifiers_below_one_percent_and_powersgd_warm_up_dense_by_default():
+def test_sparsifiers_below_one_percent_and_powersgd_warm_up_by_default():
+    # top-k below 1 %: DGC's sparsity ramp after the dense steps (test_ddp_ramp.py)
     def fn(t):
         got = []
         for codec, kw in (("topk", {"ratio": 0.001}), ("randomk", {"ratio": 0.005}),
@@ -109,13 +110,16 @@ def test_sparsifiers_below_one_percent_and_powersgd_warm_up_dense_by_default():
                           ("powersgd", {"rank": 1, "start_iter": 0})):
             state, _ = ddp.make_comm_hook(codec, transport=t, **kw)
             c = state.compressor
+            ramp = state.routes.ramp
             got.append((state.start_iter, c.get_config()["rank"]) if codec == "powersgd"
-                       else state.start_iter)
+                       else state.start_iter if ramp is None else
+                       (state.start_iter, "ramp", ramp.stage_steps))
             state.close()
         with pytest.raises(ConfigError, match="start_iter"):
             ddp.make_comm_hook("topk", start_iter="later", transport=t)
         return got
-    assert one_rank(fn) == [100, 100, 0, 0, 0, 0, (50, 4), (0, 1)]
+    assert one_rank(fn) == [(100, "ramp", 25), 100, 0, 0, 0, (0, "ramp", 25), (50, 4),
+                            (0, 1)]
 
 
 def test_arguments_are_validated_early():

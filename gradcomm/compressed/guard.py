@@ -50,29 +50,36 @@ from ..errors import ConfigError
 DEFAULT_BOUND = 1000.0
 
 
-#: random-k at this ratio or more is clipped at 1 by default, sparser at ``sqrt(ratio)``
+#: random-k at this ratio or more is clipped at 1 (momentum corrected) or 0.1 by default
 FULL_CLIP_RATIO = 0.25
 
 
-def default_clip(codec: Any) -> float | None:
+def default_clip(codec: Any, corrected: bool = False) -> float | None:
     """The DDP hook's default ``clip`` for ``codec``: for random-k ``sqrt(ratio)`` below
     :data:`FULL_CLIP_RATIO` (its error feedback sends a random 1/ratio-th of the owed
     mass, many steps' worth per coordinate; at 1 % unclipped or at 1 it diverges under
-    momentum 0.9, bench/RESULTS.md), 1 from it on (an update no longer than the ranks'
-    inputs together, which a dense sum cannot exceed either: at 25 % ``sqrt`` = 0.5 cut
-    every step and lost 11 points at p=4, 1 lost 6, none 7), else None.
+    momentum 0.9, bench/RESULTS.md); from it on 1 when ``corrected`` (the hook corrects
+    the optimizer's momentum, or the optimizer is not SGD: an update no longer than the
+    ranks' inputs together, which a dense sum cannot exceed either; at 25 % ``sqrt`` =
+    0.5 cut every step and lost 11 points at p=4, 1 lost 6), else 0.1 (an SGD momentum
+    the hook does not correct amplifies the stale mass: at 25 % clips 1, 0.5 and 0.25
+    ended above the initial loss, 0.1 did not); None for the other codecs.
 
     Example:
         >>> from gradcomm import compressors
         >>> [default_clip(compressors.get("randomk", ratio=r)) for r in (0.01, 0.25)]
-        [0.1, 1.0]
+        [0.1, 0.1]
+        >>> default_clip(compressors.get("randomk", ratio=0.25), corrected=True)
+        1.0
     """
     if codec is None or codec.name != "randomk":
         return None
     ratio = codec.get_config().get("ratio")
     if not ratio:
         return 0.1
-    return 1.0 if float(ratio) >= FULL_CLIP_RATIO else math.sqrt(float(ratio))
+    if float(ratio) < FULL_CLIP_RATIO:
+        return math.sqrt(float(ratio))
+    return 1.0 if corrected else 0.1
 
 
 #: how many float64 numbers the ranks sum to agree (result, residuals, bound, norm)

@@ -36,7 +36,7 @@ from . import lifecycle
 from .groups import resolve_transports
 from .defaults import POWERSGD_RANK, RANDOMK_RATIO, default_ramp, default_start_iter
 from .momentum import (CORRECTED_CODECS, MASKED_CODECS, SGD_FEEDBACK_CODECS, OptimizerWatch, feedback_with,
-                       found_momentum, momentum_correction, restored)
+                       found_momentum, momentum_correction, restored, momentum_safe)
 from .ramp import SparsityRamp
 from .replay import Replay
 from .residuals import ParameterResiduals
@@ -88,8 +88,6 @@ class CommHookState:
         self._transports = resolve_transports(transport, process_group, timeout)
         messages = self._transports.messages
         self.residuals = ParameterResiduals(self.error_feedback)
-        if clip == "auto":
-            clip = default_clip(self.compressor) if guard and self.error_feedback else None
         c = self.compressor
         #: finds the optimizer for momentum correction (``optimizer="auto"``), or None
         self._watch: OptimizerWatch | None = None
@@ -101,10 +99,15 @@ class CommHookState:
             if c is not None and c.lossy and (c.name in SGD_FEEDBACK_CODECS or (
                     momentum is None and c.name in CORRECTED_CODECS)):
                 self._watch = OptimizerWatch(self, CommHookState._found_optimizer)
+        mc = momentum_correction(c, momentum, optimizer)
+        #: ``clip="auto"``: the clip follows the momentum correction the hook finds
+        self._auto_clip = clip == "auto" and guard and self.error_feedback
+        if clip == "auto":
+            clip = default_clip(c, momentum_safe(mc, optimizer)) if self._auto_clip else None
         self.routes = Routes(messages, self._transports.library, self.reduction,
                              self.residuals, guard=guard,
                              residual_bound=check_bound(residual_bound),
-                             momentum=momentum_correction(c, momentum, optimizer), clip=clip,
+                             momentum=mc, clip=clip,
                              stateful=self._watch is not None,
                              ramp=None if ramp is None else SparsityRamp(c, ramp, start_iter))
         self.iter = 0
@@ -187,7 +190,13 @@ class CommHookState:
                 self.routes.momentum = mc
             if not feedback:
                 self._feedback_off()
+            self._clip_for(momentum_safe(self.routes.momentum, optimizer))
         self._call(apply)
+
+    def _clip_for(self, corrected: bool) -> None:
+        """On the worker: ``clip="auto"``'s value once the optimizer is known."""
+        if self._auto_clip and self.routes.guard is not None:
+            self.routes.guard.clip = default_clip(self.compressor, corrected)
 
     def _feedback_off(self) -> None:
         """On the worker: stop error feedback and drop the residuals held so far."""
@@ -430,6 +439,8 @@ class CommHookState:
             self._watch.remove()             # the saved run had found its optimizer
         self.routes.momentum = restored(self.routes.momentum, self._watch is not None,
                                         factors, velocity, previous)
+        if self.routes.momentum is not None:
+            self._clip_for(True)
 
     def __repr__(self) -> str:
         return (f"CommHookState(compressor={self.compressor!r}, algorithm={self.algorithm!r}, "

@@ -85,8 +85,10 @@ def make_comm_hook(compressor: Any = None, *, algorithm: str = "auto",
             what is cut off goes back into the residuals (nothing is lost, it arrives
             later). ``"auto"``: for ``randomk`` ``sqrt(ratio)`` below 25 % (unclipped,
             its error feedback sends many steps' worth of a coordinate at once and
-            diverges at momentum 0.9) and 1 from 25 % on (the default 0.25: ``sqrt``
-            cut every step), None (off) for the other codecs
+            diverges at momentum 0.9); from 25 % on (the default 0.25) 1 once the hook
+            corrects the optimizer's momentum or finds a non-SGD optimizer, 0.1 before
+            and with ``optimizer=None`` (an uncorrected SGD momentum on the stale mass
+            diverged at clips 0.25-1); None (off) for the other codecs
             (:func:`~gradcomm.compressed.guard.default_clip`).
         options: codec options, plus ``seed`` (stochastic codecs) and ``timeout``
             (seconds per blocking wait).

@@ -273,6 +273,18 @@ def feedback_with(codec: Any, optimizer: Any) -> bool:
     return False
 
 
+def momentum_safe(mc: MomentumCorrection | None, optimizer: Any) -> bool:
+    """Whether no SGD momentum is left to amplify stale residuals: the hook corrects it
+    (``mc``), or ``optimizer`` is known and is not SGD (random-k's clip follows this)."""
+    if mc is not None:
+        return True
+    if optimizer is None:
+        return False
+    import torch
+
+    return not isinstance(optimizer, torch.optim.SGD)
+
+
 def found_momentum(codec: Any, momentum: float | None,
                    optimizer: Any) -> MomentumCorrection | None:
     """:func:`momentum_correction` for an optimizer the watch found: an optimizer whose
@@ -288,4 +300,4 @@ def found_momentum(codec: Any, momentum: float | None,
 
 __all__ = ["CORRECTED_CODECS", "MASKED_CODECS", "MomentumCorrection", "OptimizerWatch",
            "SGD_FEEDBACK_CODECS", "feedback_with", "found_momentum", "momentum_correction",
-           "optimizer_momentum", "restored"]
+           "optimizer_momentum", "restored", "momentum_safe"]

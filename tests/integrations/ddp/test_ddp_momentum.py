@@ -92,3 +92,33 @@ def test_the_optimizers_momentum_is_undone_step_after_step_in_reused_buffers():
         state = mc.local_state()["previous"]
         assert {k: v.tobytes() for k, v in state.items()} == \
             {k: v.tobytes() for k, v in prev.items()}, step
+
+
+def _clip(make_opt, **kw):
+    def fn(t):
+        w = torch.nn.Parameter(torch.ones(4))
+        state, _ = make_comm_hook("randomk", transport=t, **kw)
+        try:
+            before = state.routes.guard.clip
+            if state._watch is not None:
+                state._watch.params.add(id(w))
+            w.grad = torch.ones(4)
+            make_opt([w]).step()
+            state.flush()
+            return before, state.routes.guard.clip
+        finally:
+            state.close()
+    return run_ranks(1, fn, timeout=30)[0]
+
+
+def test_random_k_is_clipped_hard_until_no_sgd_momentum_can_amplify_it():
+    # ratio 0.25 (the hook's default): 0.1 while an SGD momentum may act on stale mass,
+    # 1 once the hook corrects it or finds a non-SGD optimizer
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)   # noqa: E731
+    adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-3)             # noqa: E731
+    assert _clip(sgd) == (0.1, 1.0)
+    with pytest.warns(UserWarning, match="not AdamW"):
+        assert _clip(adamw) == (0.1, 1.0)
+    assert _clip(sgd, optimizer=None) == (0.1, 0.1)
+    assert _clip(sgd, clip=0.3) == (0.3, 0.3)
+    assert _clip(sgd, ratio=0.01) == (0.1, 0.1)                 # sqrt(ratio) below 25 %

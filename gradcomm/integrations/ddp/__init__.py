@@ -72,9 +72,11 @@ only device buffers are refused: pass a gloo group or ``transport="mpi"``.
 **Convergence** (issue 13; measured by ``bench/converge.py``, in bench/RESULTS.md).
 ``make_comm_hook(name, optimizer=opt)`` turns on DGC's momentum correction for topk,
 randomk and onebit (:mod:`.momentum`), which top-k and 1-bit need to match uncompressed
-SGD with momentum; random-k is clipped by default (``clip``) so that it cannot diverge;
-the divergence guard (``guard``, on by default) keeps one non-finite step from
-poisoning the residuals; for Adam, :mod:`gradcomm.integrations.onebit_adam`.
+SGD with momentum; top-k below 1 % ramps its sparsity after its dense warm-up
+(``ramp``, :mod:`.ramp`, DGC's exponential warm-up); random-k defaults to ratio 0.25 and
+is clipped (``clip``) so that it cannot diverge; the divergence guard (``guard``, on by
+default) keeps one non-finite step from poisoning the residuals; for Adam,
+:mod:`gradcomm.integrations.onebit_adam`.
 
 Tuning: ``start_iter`` of a few hundred steps lets the model leave the first,
 fast-changing phase uncompressed (PowerSGD does the same); on gloo every message costs

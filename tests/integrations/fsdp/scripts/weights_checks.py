@@ -15,13 +15,12 @@ import json
 import time
 import traceback
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from fsdp_checks import (ERRORS, INFO, _run_resumed, batch, fail, gathered, local,
-                         make_model, shard)
+                         make_model, mesh1, shard)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from gradcomm import compressors
@@ -240,9 +239,7 @@ def check_refusals() -> None:
     """Param dtypes the gather cannot code (float64), and an unknown weights codec, are
     ConfigErrors with advice."""
     m = make_model().double()
-    mesh = __import__("torch.distributed.device_mesh", fromlist=["x"]).init_device_mesh(
-        "cpu", (dist.get_world_size(),))
-    fully_shard(m, mesh=mesh)
+    fully_shard(m, mesh=mesh1())
     compress_fsdp(m, "int8", weights="int8")
     try:
         m(torch.randn(2, 7, dtype=torch.float64)).sum().backward()

@@ -160,6 +160,17 @@ class Transport(ABC):
 
         raise UnsupportedError(f"the {self.name} transport has no native allreduce")
 
+    def native_allreduce_start(self, buf: Any, op: str, dtype: str) -> Any:
+        """Start :meth:`native_allreduce` of ``buf`` and return what
+        :meth:`native_allreduce_wait` waits for; ``buf`` must not change until then. Here:
+        the allreduce runs now (a transport whose library has an asynchronous one starts
+        it instead, e.g. gloo's)."""
+        self.native_allreduce(buf, op, dtype)
+        return None
+
+    def native_allreduce_wait(self, work: Any) -> None:
+        """Wait, within the deadline, for :meth:`native_allreduce_start`'s ``work``."""
+
     def native_supports(self, dtype: str, op: str) -> bool:
         """Whether :meth:`native_allreduce` reduces logical ``dtype`` under ``op`` (one of
         sum/max/min/prod) correctly. Cheap; the same answer on every rank."""

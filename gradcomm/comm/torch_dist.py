@@ -177,10 +177,13 @@ class TorchTransport(Transport):
         self.native_allreduce_wait(work)
 
     def native_allreduce_start(self, t: Any, op: str, dtype: str) -> Any:
-        """Start ``dist.all_reduce`` in place on torch tensor ``t`` (viewed as ``dtype``)
-        and return its work for :meth:`native_allreduce_wait`. No host synchronisation:
-        torch orders a device collective after the work already queued on the current
-        stream, so a caller on the autograd thread keeps the order DDP issues in."""
+        """Start ``dist.all_reduce`` in place on ``t`` (a torch tensor, or a flat host
+        buffer; viewed as ``dtype``) and return its work for :meth:`native_allreduce_wait`.
+        No host synchronisation for a tensor: torch orders a device collective after the
+        work already queued on the current stream, so a caller on the autograd thread
+        keeps the order DDP issues in."""
+        if not isinstance(t, self.torch.Tensor):
+            t = self._tensor(t)
         if dtype in _NATIVE_UNSUPPORTED.get(self.backend, ()):
             raise UnsupportedError(f"torch.distributed {self.backend} all_reduce cannot "
                                    f"reduce {dtype}; use one of gradcomm's algorithms")

@@ -209,17 +209,50 @@ class Guard:
             n = out.shape[0]
             part = out[t.rank * n // t.size:(t.rank + 1) * n // t.size]
         out2 = sq_norm(part)
-        bad_out = 0.0 if math.isfinite(out2) else 1.0
         if e2 is None:
             e2 = sum(sq_norm(e) for e in residuals)
-        scale = self._scale.get(key)
-        bad_e = 0.0 if math.isfinite(e2) else 1.0
-        over = 1.0 if (not bad_e and self.bound is not None and scale is not None and
-                       e2 > self.bound ** 2 * scale) else 0.0
-        agreed = np.array([bad_out, bad_e, over,
+        bad_e, over = self.flags(key, e2)
+        agreed = np.array([0.0 if math.isfinite(out2) else 1.0, float(bad_e), float(over),
                            math.sqrt(g2) if math.isfinite(g2) else 0.0])
         if t.size > 1:
             (agree or agreement(t))(t, agreed)
+        return self._decide(key, g2, agreed, out2)
+
+    def flags(self, key: str, e2: float) -> tuple[bool, bool]:
+        """This rank's ``(non-finite residual, residual norm over the bound)`` of ``key``,
+        whose residuals' summed :func:`sq_norm` is ``e2``: what the ranks sum to decide.
+
+        Example:
+            >>> g = Guard(bound=10.0)
+            >>> g.flags("w", float("nan")), g.flags("w", 1e9)   # no scale yet: no bound
+            ((True, False), (False, False))
+        """
+        bad_e = not math.isfinite(e2)
+        scale = self._scale.get(key)
+        return bad_e, bool(not bad_e and self.bound is not None and scale is not None
+                           and e2 > self.bound ** 2 * scale)
+
+    def settle(self, key: str, g2: float, finite: bool, counts: Sequence[float]
+               ) -> str | None:
+        """:meth:`check`'s decision where the ranks' :meth:`flags` were summed by the
+        caller (``counts``: the sums, e.g. carried in the reduction's own payload) and
+        this rank saw all of the reduced result, the same bytes on every rank
+        (``finite``: whether all of it is); ``g2``: this step's input norm² (what
+        :meth:`observe` records). Not with ``clip``, which needs the ranks' summed norms.
+
+        Example:
+            >>> g = Guard()
+            >>> g.settle("w", 4.0, True, [0.0, 0.0]), g.settle("w", 4.0, True, [1.0, 0.0])
+            (None, 'nonfinite')
+        """
+        assert self.clip is None, "settle() decides without the summed norms clip needs"
+        self._pending.pop(key, None)
+        agreed = np.array([0.0 if finite else 1.0, float(counts[0]), float(counts[1]), 0.0])
+        return self._decide(key, g2, agreed, 0.0)
+
+    def _decide(self, key: str, g2: float, agreed: np.ndarray, out2: float) -> str | None:
+        """The decision from the summed ``agreed`` (result non-finite, residual non-finite,
+        over bound, summed input norms); counts and warns."""
         if not agreed[0] and math.isfinite(g2) and g2 > self._scale.get(key, 0.0):
             self._scale[key] = g2               # a finite result: the step joins the scale
         nonfinite, over = bool(agreed[0] or agreed[1]), bool(agreed[2])
@@ -238,7 +271,7 @@ class Guard:
         warnings.warn(f"error-feedback state of {key!r} reset on every rank: "
                       + ("a non-finite value reached it" if nonfinite else
                          f"a residual norm passed {self.bound:g} x the gradient norm"),
-                      GuardWarning, stacklevel=3)
+                      GuardWarning, stacklevel=4)
         return reason
 
 

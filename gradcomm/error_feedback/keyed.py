@@ -120,6 +120,29 @@ class KeyedResiduals(ErrorFeedback):
             x[a:b] += lay.flat[a:b]
         lay.backend.assign(lay.flat, 0.0)
 
+    def owed(self, key: str, x: Any) -> Any | None:
+        """``key``'s residual as one flat array as long as ``x``, where ``x`` is and of its
+        dtype, once every piece holds one there (after the first :meth:`update`): a
+        caller may then hand it to a codec's fused pass (``compress(x, residual=...)``:
+        ``x + e`` encoded, ``e`` left holding what the codec lost) instead of
+        :meth:`take` and :meth:`update`, with the same bytes. None: not yet (or disabled).
+
+        Example:
+            >>> store = KeyedResiduals()
+            >>> store.set_parts("u", [("w", 2, None)])
+            >>> x = np.float32([1, 2])
+            >>> store.owed("u", x), store.update("u", x, np.float32([1, 1]))
+            (None, None)
+            >>> store.owed("u", x).tolist()
+            [0.0, 1.0]
+        """
+        if not self.enabled:
+            return None
+        lay = self._layout(key, x)
+        if lay is None or lay.runs != [(0, arrays.size(x))]:
+            return None
+        return lay.flat
+
     def update(self, key: str, x: Any, decoded: Any) -> None:
         """Each piece of ``key`` keeps its slice of ``x - decoded``."""
         if not self.enabled:

@@ -9,23 +9,40 @@ each addition, in its own order, the same bytes on every rank), and the sum is w
 back into the unit. Per rank, the wire carries what gradcomm's ring would: the 16-bit
 values, 2(p-1)/p of them.
 
+**Pipelined.** A unit is cut into pieces of about :data:`PIECE` elements, each summed by
+its own asynchronous library allreduce: while piece ``k`` is on the wire the next one is
+encoded, and piece ``k`` is widened while the later ones travel, so the codec's passes
+(error feedback included) hide behind the wire except for one piece at each end. Each
+element is rounded, summed and widened alone, so the bytes do not depend on the cut at
+p = 2; at p > 2 the library's order of additions may (every rank still holds the same
+bytes).
+
+**The divergence guard, without a message of its own.** Given a
+:class:`~gradcomm.compressed.guard.Guard` (without ``clip``), each rank's two flags (a
+non-finite residual, a residual norm over the bound) travel as two more 16-bit values of
+the last piece, summed with it; the result holds the same bytes everywhere, so each rank
+checks all of it for non-finite values itself (piece by piece, as it is widened) and
+every rank takes the same decision without the guard's separate agreement.
+
 Example (in-process ranks; their native sum adds in rank order):
     >>> import numpy as np
     >>> from gradcomm import compressors
     >>> from gradcomm.comm import run_ranks
     >>> def fn(t):
     ...     x = np.array([0.1, 1000.3, -2.0], np.float32) * (t.rank + 1)
-    ...     return allreduce(t, x, compressors.get("fp16"), None, "u").tolist()
+    ...     return allreduce(t, x, compressors.get("fp16"), None, "u")[0].tolist()
     >>> run_ranks(2, fn)[0]
     [0.2998046875, 3002.0, -6.0]
 """
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, Callable
 
 import numpy as np
 
+from ...compressed.guard import Guard, sq_norm
 from ...compressed.state import session
 from ...compressors.base import Compressor
 from ...compressors.payload import Payload
@@ -34,6 +51,12 @@ from ...error_feedback import ResidualStore, contractive
 
 #: codec name -> (the library dtype its payload sums as, the payload buffer's numpy dtype)
 CAST_CODECS = {"fp16": ("float16", np.float16), "bf16": ("bfloat16", np.uint16)}
+#: elements per piece of the pipeline (1 MiB of 16-bit payload: a piece's encode takes a
+#: fraction of a millisecond, its wire time at 1 Gbit/s about 8 ms)
+PIECE = 1 << 19
+#: the guard's flags (non-finite residual, over bound) as 16-bit values: 0 and 1
+FLAGS = 2
+_ONE = {"fp16": np.float16(1.0).view(np.uint16), "bf16": np.uint16(0x3F80)}
 
 
 def wire_dtype(t: Transport, codec: Compressor | None, x: Any) -> str | None:
@@ -48,25 +71,80 @@ def wire_dtype(t: Transport, codec: Compressor | None, x: Any) -> str | None:
     return wire if t.native_supports(wire, "sum") else None
 
 
+def pieces(n: int, piece: int = PIECE) -> list[tuple[int, int]]:
+    """``n`` elements cut into ``ceil(n / piece)`` near-equal ``(start, stop)`` pieces
+    (one, empty, for ``n = 0``).
+
+    Example:
+        >>> pieces(10, 4)
+        [(0, 3), (3, 6), (6, 10)]
+    """
+    k = max(1, -(-n // max(1, piece)))
+    return [(i * n // k, (i + 1) * n // k) for i in range(k)]
+
+
 def allreduce(t: Transport, x: np.ndarray, codec: Compressor, ef: ResidualStore | None,
-              key: str) -> np.ndarray:
-    """``x = Σ_ranks decode(encode(x))`` (flat host float32, in place; returned): the
-    payload summed by ``t.native_allreduce`` as its 16-bit dtype. ``ef`` (enabled): the
-    store whose ``key`` receives ``x - decode(encode(x))`` (``x`` already holds the
-    residual added before: the DDP hook's :meth:`~.residuals.ParameterResiduals.open`)."""
+              key: str, *, residual: np.ndarray | None = None, guard: Guard | None = None,
+              residual_norm: Callable[[], float] | None = None, g2: float | None = None,
+              piece: int = PIECE) -> tuple[np.ndarray, str | None]:
+    """``x = Σ_ranks decode(encode(x))`` (flat host float32, in place) and the guard's
+    decision (None: no guard, or nothing wrong), the payload summed by the library's
+    allreduce as its 16-bit dtype, in :func:`pieces` of ``piece`` elements.
+
+    Error feedback, one of two ways: ``residual`` (the unit's flat float32 residual, as
+    long as ``x``) is added to ``x`` and left holding what the rounding lost, in the
+    codec's fused pass; else ``ef`` (enabled), whose ``key`` receives ``x - decode(encode(
+    x))`` (``x`` already holds the residual: the DDP hook's
+    :meth:`~.residuals.ParameterResiduals.open`). ``guard`` (without ``clip``): this
+    step's input norm is observed and the decision taken on every rank alike (the flags
+    summed with the last piece); ``residual_norm``: the residuals' summed ``sq_norm`` where
+    ``residual`` is not given (after ``ef``'s update); ``g2``: the input's ``sq_norm``
+    before the residual was added, if measured already (else measured piece by piece)."""
     name, n = codec.name, x.size
     wire, held = CAST_CODECS[name]
-    feedback = ef is not None and ef.enabled and codec.lossy and contractive(codec)
+    feedback = codec.lossy and contractive(codec) and (
+        residual is not None or (ef is not None and ef.enabled))
+    fused = feedback and residual is not None
+    tally = np.zeros(2) if fused and guard is not None else None
+    cuts = pieces(n, piece)
+    measure = guard is not None and g2 is None
+    g2 = 0.0 if g2 is None else g2
     with session(t) as scratch:
-        payload = Payload(name, {}, {"v": scratch.floats(0, n, held)})
-        decoded = scratch.floats(1, n, np.float32) if feedback else None
-        payload = codec.compress(x, out=payload, decoded=decoded)
-        if feedback:
-            assert ef is not None and decoded is not None
-            ef.update(key, x, decoded)
-        t.native_allreduce(payload.buffers["v"], "sum", wire)
-        codec.decompress(payload, out=x)
-    return x
+        v = scratch.floats(0, n + FLAGS, held)
+        decoded = scratch.floats(1, n, np.float32) if feedback and not fused else None
+        sent: list[tuple[Payload, Any]] = []
+        for a, b in cuts:
+            if measure:
+                g2 += sq_norm(x[a:b])
+            payload = codec.compress(
+                x[a:b], out=Payload(name, {}, {"v": v[a:b]}),
+                residual=residual[a:b] if fused else None,
+                decoded=decoded[a:b] if decoded is not None else None, tally=tally)
+            stop = b
+            if b == n:                                       # the last piece
+                if decoded is not None:
+                    assert ef is not None
+                    ef.update(key, x, decoded)
+                if guard is not None:
+                    e2 = float(tally[0]) if tally is not None else \
+                        (residual_norm() if residual_norm is not None else 0.0)
+                    v.view(np.uint16)[n:n + FLAGS] = np.where(guard.flags(key, e2),
+                                                              _ONE[name], 0)
+                    stop = n + FLAGS
+            sent.append((payload, t.native_allreduce_start(v[a:stop], "sum", wire)))
+        out2 = 0.0
+        for (a, b), (payload, work) in zip(cuts, sent):
+            t.native_allreduce_wait(work)
+            codec.decompress(payload, out=x[a:b])
+            if guard is not None:
+                out2 += sq_norm(x[a:b])
+        if guard is None:
+            return x, None
+        flags = v[n:n + FLAGS]
+        counts = flags.astype(np.float32) if name == "fp16" else \
+            (flags.astype(np.uint32) << 16).view(np.float32)
+        reason = guard.settle(key, g2, math.isfinite(out2), counts)
+    return x, reason
 
 
-__all__ = ["CAST_CODECS", "allreduce", "wire_dtype"]
+__all__ = ["CAST_CODECS", "FLAGS", "PIECE", "allreduce", "pieces", "wire_dtype"]

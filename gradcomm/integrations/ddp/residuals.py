@@ -133,11 +133,13 @@ class ParameterResiduals:
         return iter(sorted(self._extras))
 
     def open(self, keys: list[str], lengths: list[int], x: Any, step: int,
-             unit: str | None = None) -> str:
+             unit: str | None = None, take: bool = True) -> str:
         """Add each parameter's residual to its slice of flat ``x`` (any array kind; a
         residual held elsewhere, e.g. loaded on the host, moves to ``x``'s device) and zero
         it; make :attr:`store` the unit's residual store for this reduction, at the hook's
-        iteration ``step``. Returns the unit's key (``unit``, if the caller knows it)."""
+        iteration ``step``. Returns the unit's key (``unit``, if the caller knows it).
+        ``take=False``: the residuals are left where they are (a caller that adds them in
+        a codec's fused pass: :meth:`~gradcomm.error_feedback.KeyedResiduals.owed`)."""
         unit = unit_key(keys) if unit is None else unit
         self.units[unit] = (list(keys), list(lengths))
         self._used.add(unit)
@@ -145,7 +147,8 @@ class ParameterResiduals:
         store.clock = int(step)
         if store.parts(unit) is None:
             store.set_parts(unit, [(k, n, self.shapes.get(k)) for k, n in zip(keys, lengths)])
-        store.take(unit, x)
+        if take:
+            store.take(unit, x)
         return unit
 
     def fold_unused(self, t: Transport | None = None) -> None:

@@ -48,7 +48,7 @@ from ..._plan import Reduction
 from ...collectives import DENSE, dense_allreduce
 from ...collectives._check import agree_args
 from ...comm.base import Transport
-from ...compressed.guard import DEFAULT_BOUND, Agreement, Guard, agreement
+from ...compressed.guard import DEFAULT_BOUND, Agreement, Guard, agreement, sq_norm
 from ...errors import ConfigError, UnsupportedError
 from . import cast
 from .momentum import MomentumCorrection
@@ -235,12 +235,12 @@ class Routes:
         lib = self.library
         assert lib is not None
         flat.mul_(1.0 / lib.size)
-        return lib.native_allreduce_start(flat, "sum", dtype)   # type: ignore[attr-defined]
+        return lib.native_allreduce_start(flat, "sum", dtype)
 
     def library_finish(self, flat: Any, work: Any) -> None:
         """Wait for the device group's allreduce ``work`` of ``flat``."""
         assert self.library is not None
-        self.library.native_allreduce_wait(work)               # type: ignore[attr-defined]
+        self.library.native_allreduce_wait(work)
         arrays.sync(flat)                   # done before the future hands it to DDP
         self.stats["native_nbytes"] += flat.numel() * flat.element_size()
 
@@ -296,6 +296,12 @@ class Routes:
         guard, mc = self.guard, self.momentum
         if mc is not None:
             mc.before(keys, lengths, x)          # x <- the velocity
+        if plan.route is None and self.algorithm == "auto" and \
+                cast.wire_dtype(self.transport, self.compressor, x) is not None:
+            plan.route, plan.codec = CAST_ROUTE, self.compressor
+        if plan.route == CAST_ROUTE and (guard is None or guard.clip is None):
+            out, reason = self._cast(x, plan, keys, lengths, check, step, guard)
+            return self._settled(out, plan, keys, lengths, reason)
         if guard is not None:
             guard.observe(plan.unit, x)
         out = self._collective(x, plan, keys, lengths, check, step)
@@ -308,9 +314,16 @@ class Routes:
                                  agree=plan.agree)
             if reason is None and guard.factor < 1.0:
                 self._give_back(out, keys, lengths, guard.factor)
+        return self._settled(out, plan, keys, lengths, reason)
+
+    def _settled(self, out: Any, plan: Plan, keys: list[str], lengths: list[int],
+                 reason: str | None) -> Any:
+        """``out`` after the guard's decision ``reason`` (taken on every rank alike): the
+        optimizer's momentum undone, the unit's state reset if ``reason`` says so."""
+        mc = self.momentum
         if mc is not None:
             mc.after(keys, lengths, out)
-        if reason is not None:                   # on every rank alike
+        if reason is not None:
             self.residuals.clear_unit(plan.unit)
             if mc is not None:
                 mc.reset(keys)
@@ -337,13 +350,10 @@ class Routes:
         from ...compressed import compressed_allreduce
         from ...compressed.routes import feeds_back, run
 
+        if plan.route == CAST_ROUTE:                    # with clip: the guard checks after
+            return self._cast(x, plan, keys, lengths, check, step, None)[0]
         unit = self.residuals.open(keys, lengths, x, step, plan.unit)
         store, dtype = self.residuals.store, plan.work
-        if plan.route is None and self.algorithm == "auto" and \
-                cast.wire_dtype(self.transport, self.compressor, x) is not None:
-            plan.route, plan.codec = CAST_ROUTE, self.compressor
-        if plan.route == CAST_ROUTE:
-            return self._cast(x, plan, unit, check)
         if plan.route is not None and not check:
             if plan.gather is not None:
                 return plan.gather.run(self.transport, x, step, store)
@@ -360,19 +370,31 @@ class Routes:
             plan.gather = self._gather_plan(x, plan, unit)
         return out
 
-    def _cast(self, x: np.ndarray, plan: Plan, unit: str, check: bool) -> np.ndarray:
+    def _cast(self, x: np.ndarray, plan: Plan, keys: list[str], lengths: list[int],
+              check: bool, step: int, guard: Guard | None) -> tuple[np.ndarray, str | None]:
         """:mod:`.cast`'s route: the 16-bit payload summed by the library's allreduce
         (arguments agreed first as ``compressed_allreduce`` agrees them, this route
-        named, so a rank taking another route is told, not hung)."""
-        t, codec = self.transport, plan.codec
+        named, so a rank taking another route is told, not hung); once the unit's
+        residual is one flat buffer it is added in the codec's fused pass. With ``guard``
+        its decision rides on the payload (:func:`.cast.allreduce`); returns it too."""
+        t, codec, res = self.transport, plan.codec, self.residuals
+        unit = res.open(keys, lengths, x, step, plan.unit, take=False)
+        store = res.store
         if check:
             agree_args(t, "compressed allreduce", None, count=arrays.size(x),
                        dtype=plan.work, op="sum", algorithm=f"auto ({CAST_ROUTE})",
                        compressor=codec.name, config=dict(codec.get_config()),
-                       seed=self.seed, key=unit, error_feedback=self.residuals.store.enabled)
-        out = cast.allreduce(t, x, codec, self.residuals.store, unit)
-        self.stats["native_nbytes"] += 2 * arrays.size(x)
-        return out
+                       seed=self.seed, key=unit, error_feedback=store.enabled)
+        owed, g2 = store.owed(unit, x), None
+        if owed is None:
+            if guard is not None:
+                g2 = sq_norm(x)                 # the input, before the residuals join it
+            store.take(unit, x)
+        out, reason = cast.allreduce(
+            t, x, codec, store, unit, residual=owed, guard=guard, g2=g2,
+            residual_norm=lambda: sum(sq_norm(e) for e in res.unit_arrays(unit)))
+        self.stats["native_nbytes"] += 2 * (arrays.size(x) + (cast.FLAGS if guard else 0))
+        return out, reason
 
     def _gather_plan(self, x: Any, plan: Plan, unit: str) -> Any:
         """The layout's :class:`~gradcomm.compressed.planned.PlannedGather` (the allgather

@@ -35,7 +35,8 @@ def test_cast_allreduce_is_the_16_bit_sum_and_keeps_the_rounding_as_residual(p, 
 
     def fn(t):
         ef = ErrorFeedback()
-        out = cast.allreduce(t, xs[t.rank].copy(), compressors.get("fp16"), ef, "u")
+        out, reason = cast.allreduce(t, xs[t.rank].copy(), compressors.get("fp16"), ef, "u")
+        assert reason is None
         return out, ef.residual("u", n, np.float32).copy()
 
     res = run_ranks(p, fn)
@@ -46,6 +47,90 @@ def test_cast_allreduce_is_the_16_bit_sum_and_keeps_the_rounding_as_residual(p, 
     for r, (out, e) in enumerate(res):
         assert out.tobytes() == total.astype(np.float32).tobytes(), r
         assert e.tobytes() == (xs[r] - h[r].astype(np.float32)).tobytes(), r
+
+
+def _summed16(xs: list[np.ndarray], codec: str) -> np.ndarray:
+    """The rank-order 16-bit sum of ``xs`` (each rounded once), widened: the in-process
+    transport's native sum."""
+    c = compressors.get(codec)
+    h = [c.decompress(c.compress(x)) for x in xs]
+    total = c.compress(h[0])
+    out = c.decompress(total)
+    for v in h[1:]:
+        out = c.decompress(c.compress(out + v)) if codec == "bf16" else \
+            (out.astype(np.float16) + v.astype(np.float16)).astype(np.float32)
+    return out
+
+
+@pytest.mark.parametrize("codec", ["fp16", "bf16"])
+@pytest.mark.parametrize("p, n, piece", [(2, 10, 3), (3, 1001, 100), (5, 7, 1), (2, 0, 4)])
+def test_pieces_and_the_fused_residual_give_the_bytes_of_one_piece(codec, p, n, piece):
+    """The pipeline's pieces (each its own library allreduce) and a residual added in the
+    codec's fused pass give the bytes of the unpipelined, step-by-step route: the sum of
+    each rank's ``x + e`` rounded once, and ``e`` left holding what the rounding lost."""
+    xs = _inputs(p, n)
+    es = [x * np.float32(1e-3) for x in _inputs(p, n)]
+    wanted = _summed16([x + e for x, e in zip(xs, es)], codec)
+
+    def fn(t):
+        x, e = xs[t.rank].copy(), es[t.rank].copy()
+        out, reason = cast.allreduce(t, x, compressors.get(codec), None, "u", residual=e,
+                                     piece=piece)
+        return out.tobytes(), e.tobytes(), reason
+
+    c = compressors.get(codec)
+    for r, (out, e, reason) in enumerate(run_ranks(p, fn)):
+        y = xs[r] + es[r]
+        assert out == wanted.tobytes() and reason is None, r
+        assert e == (y - c.decompress(c.compress(y))).tobytes(), r
+
+
+def _guarded(p: int, plant: str, at: int = 1) -> list:
+    """Two steps of the guarded cast route on ``p`` ranks, rank ``at`` planting ``plant``
+    in the second: ``"nan_input"``, ``"nan_residual"`` or ``"big_input"`` (bound 0.01: a
+    rounding error of ``|x| / 2^11`` passes it only on an input 100 times the last); or
+    every rank ``"sum_overflows"``."""
+    from gradcomm.compressed.guard import Guard
+
+    n = 11
+
+    def fn(t):
+        guard = Guard(bound=0.01)
+        e = np.zeros(n, np.float32)
+        reasons = []
+        for step in range(2):
+            x = _inputs(p, n)[t.rank].copy()
+            if step == 1 and t.rank == at:
+                if plant == "nan_input":
+                    x[3] = np.nan
+                elif plant == "nan_residual":
+                    e[5] = np.inf
+                elif plant == "big_input":       # its rounding error: 100 x the scale's
+                    x *= 100
+            if step == 1 and plant == "sum_overflows":  # finite inputs and residuals
+                x[2] = 60000.0                   # on every rank: float16's sum is inf
+            reasons.append(cast.allreduce(t, x, compressors.get("fp16"), None, "u",
+                                          residual=e, guard=guard, piece=4)[1])
+        return reasons, dict(guard.stats)
+
+    return run_ranks(p, fn)
+
+
+@pytest.mark.filterwarnings("ignore::gradcomm.compressed.guard.GuardWarning")
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the planted sum
+@pytest.mark.parametrize("p", [2, 3])
+@pytest.mark.parametrize("plant, reason", [("nan_input", "nonfinite"),
+                                           ("nan_residual", "nonfinite"),
+                                           ("big_input", "over_bound"),
+                                           ("sum_overflows", "nonfinite"), ("", None)])
+def test_the_guard_rides_on_the_payload_and_every_rank_decides_alike(p, plant, reason):
+    """The guard's flags travel with the last piece: one rank's non-finite input or
+    residual, or its runaway residual, gives the same decision on every rank, counted in
+    every rank's stats (each rank warns: GuardWarning); so does a sum that overflows float16
+    from finite inputs, which no rank's residual shows; a clean step gives None."""
+    for reasons, stats in _guarded(p, plant):
+        assert reasons == [None, reason]
+        assert stats["guard_resets"] == (reason is not None)
 
 
 def test_cast_allreduce_without_feedback_leaves_no_residual():

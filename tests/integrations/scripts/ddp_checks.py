@@ -710,10 +710,12 @@ def check_cast(steps: int = 4) -> None:
     bitwise (an independent replay of the sum) at p = 2, where the sum of two values has one
     rounding, within one rounding per addition of the exact sum at p > 2 (gloo's order);
     gradcomm's own messages are only the argument checks."""
+    from gradcomm.integrations.ddp import cast
     from gradcomm.integrations.ddp.routes import CAST_ROUTE
 
     p, me = dist.get_world_size(), dist.get_rank()
     done = []
+    cast.PIECE = 1000                     # several pieces per bucket: the pipeline runs
     for codec in ("fp16", "bf16"):
         module = make_model()
         names = {id(q): n for n, q in module.named_parameters()}
@@ -723,12 +725,13 @@ def check_cast(steps: int = 4) -> None:
         ddp.register_comm_hook(state, _recording(names, calls))
         opt = torch.optim.SGD(module.parameters(), lr=0.05)
         owed = [dict() for _ in range(p)]               # rank -> parameter -> residual
-        worst = 0.0
+        worst, units = 0.0, 0
         for step in range(steps):
             calls.clear()
             opt.zero_grad()
             loss_of(ddp, batch(step)).backward()
             layout = [(k, n) for k, n, _, _ in calls]
+            units += len(layout)
             got = torch.cat([f.value().detach().reshape(-1).clone() for *_, f in calls])
             inputs = torch.cat([c[2].reshape(-1) for c in calls])
             every = [torch.empty_like(inputs) for _ in range(p)]
@@ -777,9 +780,11 @@ def check_cast(steps: int = 4) -> None:
                 break
         routes = {plan.route for plan in state.routes.plans.values()}
         # gradcomm's own messages: the argument checks of new shapes alone (a ring would
-        # send 2(p-1)/p of the 16-bit values)
+        # send 2(p-1)/p of the 16-bit values); the library sums the 16-bit values and the
+        # guard's two 16-bit flags per unit
         if routes != {CAST_ROUTE} or state.stats["native_nbytes"] != 2 * steps * \
-                inputs.numel() or 10 * state.stats["bytes_sent"] > state.stats["native_nbytes"]:
+                inputs.numel() + 2 * cast.FLAGS * units or \
+                10 * state.stats["bytes_sent"] > state.stats["native_nbytes"]:
             fail(f"cast {codec}: routes {routes}, stats {state.stats}")
         done.append(f"{codec}: {steps} steps, worst {worst:.2f} roundings")
         state.close()

@@ -279,3 +279,33 @@ def test_choice_of_path(monkeypatch: pytest.MonkeyPatch) -> None:
     from gradcomm.errors import ConfigError
     with pytest.raises(ConfigError, match="numpy"):
         _kernels.get()
+
+
+@pytest.mark.parametrize("n", COUNTS + (1 << 16,))
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_momentum_correction_kernels_match_the_reference(n: int, dtype) -> None:
+    """DGC's velocity (``u = u * m + x``, ``x = u``) and the optimizer's momentum undone
+    (``now = o``, ``o -= prev * m``): the numba twin and the array-generic path (torch CPU
+    tensors) give the reference's bytes, each operation rounded alone (no fused
+    multiply-add), for zeros of both signs, subnormals, huge values and infinities."""
+    torch = pytest.importorskip("torch")
+    XP = _kernels.get("xp") if "xp" in _kernels.available() else None
+    u0, x0 = specials(n, np.inf, 1).astype(dtype), nasty(n, 2).astype(dtype)
+    o0, p0 = nasty(n, 3).astype(dtype) * 3, specials(n, -np.inf, 4).astype(dtype)
+    m = 0.9
+
+    def run(mod, wrap):
+        u, x, o, p = (wrap(a.copy()) for a in (u0, x0, o0, p0))
+        now = wrap(np.zeros(n, dtype))
+        mod.velocity_in(u, x, m)
+        mod.momentum_undo(o, p, now, m)
+        return [np.asarray(a).tobytes() for a in (u, x, o, now)]
+
+    want = run(NP, lambda a: a)
+    with np.errstate(invalid="ignore", over="ignore"):
+        assert run(NB, lambda a: a) == want
+        if XP is not None:
+            assert run(XP, torch.from_numpy) == want
+    u, x = u0.copy(), x0.copy()
+    assert want[0] == (u0 * dtype(m) + x0).tobytes() == want[1]
+    assert want[2] == (o0 - p0 * dtype(m)).tobytes() and want[3] == o0.tobytes()

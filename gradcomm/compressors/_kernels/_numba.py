@@ -994,6 +994,46 @@ def copy_sq_norm(src, dst):
     return fold_lanes(acc)
 
 
+# --- DGC's momentum correction ---------------------------------------------------------------
+
+@njit(**_JIT)
+def _velocity_in(u, x, m):
+    for i in range(u.size):
+        v = u[i] * m + x[i]
+        u[i] = v
+        x[i] = v
+
+
+@njit(**_JIT)
+def _momentum_undo(o, prev, now, m):
+    for i in range(o.size):
+        v = o[i]
+        now[i] = v
+        o[i] = v - prev[i] * m
+
+
+def _flat_pair(*arrays_) -> bool:
+    a0 = arrays_[0]
+    return a0.dtype in (np.float32, np.float64) and all(
+        a.dtype == a0.dtype and a.size == a0.size and a.flags.c_contiguous for a in arrays_)
+
+
+def velocity_in(u, x, m):
+    """:func:`._numpy.velocity_in` in one pass (flat float32 / float64; others there)."""
+    if not _flat_pair(u, x):
+        from ._numpy import velocity_in as reference
+        return reference(u, x, m)
+    _velocity_in(u.reshape(-1), x.reshape(-1), u.dtype.type(m))
+
+
+def momentum_undo(o, prev, now, m):
+    """:func:`._numpy.momentum_undo` in one pass (``prev`` left as it was)."""
+    if not _flat_pair(o, prev, now):
+        from ._numpy import momentum_undo as reference
+        return reference(o, prev, now, m)
+    _momentum_undo(o.reshape(-1), prev.reshape(-1), now.reshape(-1), o.dtype.type(m))
+
+
 # --- topk / randomk ------------------------------------------------------------------------
 
 _SAMPLE = 1 << 14

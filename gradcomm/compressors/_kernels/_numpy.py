@@ -602,3 +602,18 @@ def copy_sq_norm(src: np.ndarray, dst: np.ndarray) -> float:
     """``dst[...] = src`` (flat, same dtype) and :func:`sq_norm` of it."""
     np.copyto(dst, src)
     return sq_norm(dst)
+
+
+def velocity_in(u: np.ndarray, x: np.ndarray, m: float) -> None:
+    """``u = u * m + x``, then ``x[...] = u`` (``m`` in the arrays' dtype)."""
+    u *= u.dtype.type(m)
+    u += x
+    np.copyto(x, u)
+
+
+def momentum_undo(o: np.ndarray, prev: np.ndarray, now: np.ndarray, m: float) -> None:
+    """``now[...] = o``, then ``o -= prev * m`` (``m`` in the arrays' dtype; ``prev``
+    holds the product afterwards)."""
+    np.copyto(now, o)
+    prev *= prev.dtype.type(m)
+    o -= prev

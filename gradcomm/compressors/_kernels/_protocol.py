@@ -115,6 +115,15 @@ class Kernels(Protocol):
     def copy_sq_norm(self, src: Any, dst: Any) -> float:
         """``dst[...] = src`` and :meth:`sq_norm` of it, in one pass where the path can."""
 
+    # -- DGC's momentum correction (the DDP hook's, integrations/ddp/momentum.py)
+    def velocity_in(self, u: Any, x: Any, m: float) -> None:
+        """``u = u * m + x``, then ``x[...] = u`` (flat, one dtype; ``m`` rounded to it
+        first), in one pass where the path can."""
+
+    def momentum_undo(self, o: Any, prev: Any, now: Any, m: float) -> None:
+        """``now[...] = o``, then ``o -= prev * m`` (``m`` rounded to the dtype first), in
+        one pass where the path can; ``prev`` is scratch afterwards."""
+
 
 class FusedKernels(Kernels, Protocol):
     """Encoders that also take ``residual`` e and ``decoded`` d (either may be None; d may

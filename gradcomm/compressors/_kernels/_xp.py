@@ -550,3 +550,18 @@ def copy_sq_norm(src, dst) -> float:
     """``dst[...] = src`` and :func:`sq_norm` of it."""
     _assign(dst, src)
     return sq_norm(dst)
+
+
+def velocity_in(u, x, m: float) -> None:
+    """``u = u * m + x``, then ``x[...] = u``, in place (torch / cupy: the scalar ``m``
+    is taken in the arrays' dtype, as numpy's is)."""
+    u *= m
+    u += x
+    _assign(x, u)
+
+
+def momentum_undo(o, prev, now, m: float) -> None:
+    """``now[...] = o``, then ``o -= prev * m``, in place (``prev`` holds the product)."""
+    _assign(now, o)
+    prev *= m
+    o -= prev

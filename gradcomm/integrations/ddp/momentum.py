@@ -50,6 +50,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from ... import arrays
+from ...compressors import _kernels
 from ...errors import ConfigError
 
 #: codecs whose output is sparse: their momentum is masked where an update was applied
@@ -138,9 +139,7 @@ class MomentumCorrection:
                     arrays.dtype_name(x) or arrays.is_host(u) != arrays.is_host(x):
                 self._velocity[k] = arrays.clone(x[a:b])
                 continue
-            u *= self.momentum
-            u += x[a:b]
-            x[a:b] = u
+            _kernels.for_array(u).velocity_in(u, x[a:b], self.momentum)
 
     def after(self, keys: Sequence[str], lengths: Sequence[int], out: Any) -> None:
         """Mask the velocity where ``out`` (the reduced velocity) is nonzero; undo the
@@ -165,10 +164,7 @@ class MomentumCorrection:
                         arrays.dtype_name(now) != arrays.dtype_name(o) or \
                         arrays.is_host(now) != arrays.is_host(o):
                     now = arrays.clone(o)
-                else:
-                    arrays.assign(now, o)
-                prev *= self.undo
-                o -= prev
+                _kernels.for_array(o).momentum_undo(o, prev, now, self.undo)
                 self._previous[k], self._spare[k] = now, prev
 
     @staticmethod

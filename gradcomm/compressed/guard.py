@@ -232,13 +232,13 @@ class Guard:
         return bad_e, bool(not bad_e and self.bound is not None and scale is not None
                            and e2 > self.bound ** 2 * scale)
 
-    def settle(self, key: str, g2: float, finite: bool, counts: Sequence[float]
+    def settle(self, key: str, g2: float | None, finite: bool, counts: Sequence[float]
                ) -> str | None:
         """:meth:`check`'s decision where the ranks' :meth:`flags` were summed by the
         caller (``counts``: the sums, e.g. carried in the reduction's own payload) and
         this rank saw all of the reduced result, the same bytes on every rank
-        (``finite``: whether all of it is); ``g2``: this step's input norm² (what
-        :meth:`observe` records). Not with ``clip``, which needs the ranks' summed norms.
+        (``finite``: whether all of it is); ``g2``: this step's input norm² (None: what
+        :meth:`observe` recorded). Not with ``clip``, which needs the ranks' summed norms.
 
         Example:
             >>> g = Guard()
@@ -246,7 +246,8 @@ class Guard:
             (None, 'nonfinite')
         """
         assert self.clip is None, "settle() decides without the summed norms clip needs"
-        self._pending.pop(key, None)
+        recorded = self._pending.pop(key, 0.0)
+        g2 = recorded if g2 is None else g2
         agreed = np.array([0.0 if finite else 1.0, float(counts[0]), float(counts[1]), 0.0])
         return self._decide(key, g2, agreed, 0.0)
 

@@ -24,13 +24,14 @@ Example:
     ...     g = plan_gather(t, c, 5, "w", seed=0, feedback=False)
     ...     x = np.arange(5, dtype=np.float32) * (t.rank + 1)
     ...     y = run(t, x.copy(), "float32", "sum", "allgather", c, 0, 0, None, "w")
-    ...     return g.run(t, x, step=0, ef=None).tobytes() == y.tobytes()
+    ...     return g.run(t, x, step=0, ef=None)[0].tobytes() == y.tobytes()
     >>> run_ranks(2, fn)
     [True, True]
 """
 
 from __future__ import annotations
 
+import math
 import zlib
 from typing import Any
 
@@ -42,7 +43,11 @@ from ..compressors.base import CodecPlan, Compressor, Payload
 from ..error_feedback import ResidualStore
 from ..errors import PayloadError
 from .frames import Frames
+from .guard import Guard, sq_norm
 from .state import Scratch, session
+
+#: bytes each frame carries after the planned frame: the divergence guard's two flags
+FLAGS = 2
 
 
 class PlannedGather:
@@ -81,32 +86,55 @@ class PlannedGather:
         self.cplan.encode(x, seed, views)
         return views
 
-    def run(self, t: Transport, x: np.ndarray, step: int, ef: ResidualStore | None
-            ) -> np.ndarray:
+    def run(self, t: Transport, x: np.ndarray, step: int, ef: ResidualStore | None, *,
+            guard: Guard | None = None) -> tuple[np.ndarray, str | None]:
         """``x = Σ_ranks x`` (flat float32 host ``x`` of the planned count, in place)
         through the codec, with ``ef``'s residual of the key when the plan feeds back;
-        returns ``x``."""
+        returns ``x`` and the divergence guard's decision (None: no ``guard``, or nothing
+        wrong).
+
+        Each frame carries :data:`FLAGS` more bytes: this rank's guard flags (a
+        non-finite residual, a residual norm over the bound: ``guard.flags`` of the norm
+        the store tallies as it keeps the new residual, :attr:`ResidualStore.tally`;
+        zeros without a guard). Every rank receives every frame and
+        decodes all of them in rank order, so it holds the same flags and the same result
+        as the others: ``guard`` (without ``clip``) decides on every rank alike with no
+        message of its own (``guard.settle``; the input's norm is what ``guard.observe``
+        recorded)."""
         ef = ef if self.feedback and ef is not None and ef.enabled else None
         n, size = self.n, self.size
         with session(t) as scratch:
             if ef is not None:
                 ef.compensate(self.key, x)
-            frame = scratch.arena.take(size)
+            frame = scratch.arena.take(size + FLAGS)
             views = self.write(frame, x, step)
+            tally = np.zeros(2) if guard is not None else None
             if ef is not None:
                 dec = scratch.floats(0, n, np.float32)
                 self.cplan.decode(views, dec, False)
-                ef.update(self.key, x, dec)
-            landing = scratch.arena.take(size * t.size)
-            blocks = allgatherv(t, frame, sizes=np.full(t.size, size, np.int64),
+                ef.tally = tally
+                try:
+                    ef.update(self.key, x, dec)
+                finally:
+                    ef.tally = None
+            flags = (False, False)
+            if tally is not None and guard is not None:
+                flags = guard.flags(self.key, float(tally[0]))
+            frame[size:] = flags
+            landing = scratch.arena.take((size + FLAGS) * t.size)
+            blocks = allgatherv(t, frame, sizes=np.full(t.size, size + FLAGS, np.int64),
                                 out=landing)
             prefix = self.prefix
             if all(np.array_equal(b[:self.head], prefix) for b in blocks):
                 for r, b in enumerate(blocks):
                     self.cplan.decode(self._views(b), x, r > 0)
             else:
-                self._checked_sum(blocks, x, scratch)
-        return x
+                self._checked_sum([b[:size] for b in blocks], x, scratch)
+            if guard is None:
+                return x, None
+            counts = np.sum([b[size:] != 0 for b in blocks], axis=0)
+            reason = guard.settle(self.key, None, math.isfinite(sq_norm(x)), counts)
+        return x, reason
 
     def _checked_sum(self, blocks: list[np.ndarray], x: np.ndarray, scratch: Scratch
                      ) -> None:
@@ -150,4 +178,4 @@ def plan_gather(t: Transport, codec: Compressor, n: int, key: str, *, seed: int,
     return planned if np.array_equal(mine, frame) else None
 
 
-__all__ = ["PlannedGather", "plan_gather"]
+__all__ = ["FLAGS", "PlannedGather", "plan_gather"]

@@ -17,6 +17,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 
 from .. import arrays
+from ..compressors.base import add_tally
 from ..errors import ConfigError
 from .store import HOP_SEP, checked_extra, held_residual
 
@@ -76,10 +77,13 @@ class ErrorFeedback:
         return x
 
     def update(self, name: str, x: Any, decoded: Any) -> None:
-        """``e ← x − decoded`` where ``x`` is what was compressed (from :meth:`compensate`)."""
+        """``e ← x − decoded`` where ``x`` is what was compressed (from :meth:`compensate`);
+        ``e`` is added to :attr:`tally` when one is set."""
         if self.enabled:
-            arrays.subtract(x, decoded, held_residual(self._residuals, name, arrays.size(x),
-                                                      arrays.dtype_name(x), x))
+            e = held_residual(self._residuals, name, arrays.size(x), arrays.dtype_name(x), x)
+            arrays.subtract(x, decoded, e)
+            if self.tally is not None:
+                add_tally(self.tally, e)
 
     def reset(self, key: str | None = None) -> None:
         """Forget the residuals (and steps) of ``key`` and its hops, or of every key."""

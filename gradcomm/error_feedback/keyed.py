@@ -19,6 +19,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from .. import arrays
+from ..compressors import _kernels
+from ..compressors._kernels import Kernels
 from .feedback import ErrorFeedback
 from .store import held_residual, misplaced
 
@@ -27,13 +29,15 @@ from .store import held_residual, misplaced
 class _Layout:
     """One key's residual as one flat buffer: ``views[i]``, the view of it that piece
     ``i``'s residual is (None: the piece holds no residual yet), the ``runs``
-    ``(start, end)`` of consecutive pieces that hold one, and the buffer's array
-    ``backend`` (:func:`gradcomm.arrays.backend`, chosen once)."""
+    ``(start, end)`` of consecutive pieces that hold one, the buffer's array
+    ``backend`` (:func:`gradcomm.arrays.backend`) and the ``kernels`` that take its norm
+    (:func:`gradcomm.compressors._kernels.for_array`), both chosen once."""
 
     flat: Any
     views: list[Any]
     runs: list[tuple[int, int]]
     backend: arrays.Backend
+    kernels: Kernels
 
 
 class KeyedResiduals(ErrorFeedback):
@@ -144,11 +148,15 @@ class KeyedResiduals(ErrorFeedback):
         return lay.flat
 
     def update(self, key: str, x: Any, decoded: Any) -> None:
-        """Each piece of ``key`` keeps its slice of ``x - decoded``."""
+        """Each piece of ``key`` keeps its slice of ``x - decoded`` (added to
+        :attr:`tally` when one is set, as the codecs' fused passes add theirs)."""
         if not self.enabled:
             return
         lay = self._layout(key, x) or self._lay_out(key, x)
         lay.backend.subtract(x, decoded, lay.flat)
+        if self.tally is not None:                  # add_tally's sum, kernels chosen once
+            self.tally[0] += lay.kernels.sq_norm(lay.flat)
+            self.tally[1] += lay.flat.shape[0]
         if any(v is None for v in lay.views):        # every piece holds a residual now
             self._register(key, lay, all_pieces=True)
 
@@ -182,7 +190,8 @@ class KeyedResiduals(ErrorFeedback):
                 _take_piece(table, name, a, b, x)
             elif name in table:
                 held_residual(table, name, b - a, dtype, x)     # (warns if reset)
-        lay = self._flats[key] = _Layout(flat, [None] * len(pieces), [], arrays.backend(flat))
+        lay = self._flats[key] = _Layout(flat, [None] * len(pieces), [], arrays.backend(flat),
+                                          _kernels.for_array(flat))
         self._register(key, lay, all_pieces=not take)
         return lay
 

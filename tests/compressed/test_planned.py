@@ -28,7 +28,7 @@ def _planned(p: int, n: int, name: str, options: dict) -> list:
         state, outs = ErrorFeedback(), []
         for s in range(STEPS):
             x = gaussian_input(t.rank + 7 * s, n, "float32")
-            outs.append(g.run(t, x, s, state).copy())
+            outs.append(g.run(t, x, s, state)[0].copy())
         return outs, state._residuals["w"].copy()
 
     return run_ranks(p, fn, timeout=120)
@@ -68,7 +68,7 @@ def test_a_peer_frame_laid_out_otherwise_is_read_and_checked() -> None:
             g.prefix[at] = ord("x") if corrupt else ord("i")
         x = gaussian_input(t.rank, n, "float32")
         try:
-            return g.run(t, x, 0, None).copy()
+            return g.run(t, x, 0, None)[0].copy()
         except PayloadError as exc:
             return str(exc)
 
@@ -90,3 +90,51 @@ def test_what_does_not_plan() -> None:
     assert run_ranks(2, fn) == [[True, True, True, False]] * 2
     assert run_ranks(1, lambda t: planned.plan_gather(
         t, compressors.get("int8"), 10, "w", seed=0, feedback=True)) == [None]
+
+
+@pytest.mark.filterwarnings("ignore::gradcomm.compressed.guard.GuardWarning")
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the planted sum
+@pytest.mark.parametrize("p", [2, 3])
+@pytest.mark.parametrize("name, plant, reason", [
+    *((c, plant, why) for c in ("int8", "onebit") for plant, why in (
+        ("nan_input", "nonfinite"), ("nan_residual", "nonfinite"),
+        ("big_input", "over_bound"), ("", None))),
+    ("int8", "sum_overflows", "nonfinite")])
+def test_the_guard_rides_on_the_frames_and_every_rank_decides_alike(p, name, plant,
+                                                                    reason) -> None:
+    """The guard's flags travel in each frame's last bytes: rank 1's non-finite input or
+    residual, or its input 10^4 times the last (a residual past the bound), gives the same
+    decision on every rank, with no message of the guard's own; so does a sum that
+    overflows float32 from finite inputs and residuals (int8: every rank's element 5 at
+    3e38, decoded about as it is); a clean step, None."""
+    from gradcomm.compressed.guard import Guard
+
+    n = 300
+
+    def fn(t):
+        codec = compressors.get(name)
+        g = planned.plan_gather(t, codec, n, "w", seed=3, feedback=True)
+        guard, state, reasons = Guard(bound=10.0), ErrorFeedback(), []
+        for s in range(2):
+            x = gaussian_input(t.rank + 7 * s, n, "float32")
+            if s == 1 and t.rank == 1:
+                if plant == "nan_input":
+                    x[7] = np.nan
+                elif plant == "nan_residual":
+                    state._residuals["w"][3] = np.inf
+                elif plant == "big_input":
+                    x *= 1e4
+            if s == 1 and plant == "sum_overflows":
+                x[5] = 3e38
+            guard.observe("w", x)
+            sent = t.stats.bytes_sent
+            out, why = g.run(t, x, s, state, guard=guard)
+            reasons.append((why, t.stats.bytes_sent - sent))
+        sent = t.stats.bytes_sent
+        g.run(t, gaussian_input(t.rank, n, "float32"), 2, state)      # unguarded
+        return reasons, guard.stats["guard_resets"], t.stats.bytes_sent - sent
+
+    for reasons, resets, unguarded in run_ranks(p, fn, timeout=60):
+        assert [why for why, _ in reasons] == [None, reason]
+        assert resets == (reason is not None)
+        assert [b for _, b in reasons] == [unguarded] * 2     # no message of its own

@@ -71,3 +71,21 @@ def test_keyed_residuals_take_makes_no_residual_a_piece_does_not_hold() -> None:
     store.update("u", np.float32([1, 1, 1, 1]), np.float32([0, 0, 0, 1]))
     assert list(store.names()) == ["b", "w"]
     assert store.residual("b", 2, np.float32).tolist() == [1.0, 0.0]
+
+
+def test_update_tallies_the_residual_it_keeps_when_asked() -> None:
+    """With :attr:`tally` set, ``update`` adds ``(e · e, e.size)`` of the residual it keeps
+    (what the planned route's guard flags read), for the keyed store and the plain one;
+    without, nothing is counted."""
+    from gradcomm.error_feedback import ErrorFeedback
+
+    x, d = np.float32([1.5, -2, 3, 4, 0.25]), np.float32([1, 1, 1, 1, 1])
+    want = float(np.sum((x.astype(np.float64) - d) ** 2))
+    for store in (KeyedResiduals(), ErrorFeedback()):
+        if isinstance(store, KeyedResiduals):
+            store.set_parts("u", [("w", 3, None), ("b", 2, None)])
+        store.update("u", x, d)                         # no tally: nothing counted
+        store.tally = tally = np.zeros(2)
+        store.update("u", x, d)
+        store.update("u", x, d)
+        assert tally.tolist() == [2 * want, 10.0], type(store)

@@ -17,10 +17,10 @@ element is rounded, summed and widened alone, so the bytes do not depend on the 
 p = 2; at p > 2 the library's order of additions may (every rank still holds the same
 bytes).
 
-**The divergence guard, without a message of its own.** Given a
-:class:`~gradcomm.compressed.guard.Guard` (without ``clip``), each rank's two flags (a
-non-finite residual, a residual norm over the bound) travel as two more 16-bit values of
-the last piece, summed with it; the result holds the same bytes everywhere, so each rank
+**The divergence guard, without a message of its own.** Each rank's two flags (a
+non-finite residual, a residual norm over the bound; zeros without a
+:class:`~gradcomm.compressed.guard.Guard`, so that every rank sums the same count) travel
+as two more 16-bit values of the last piece, summed with it; the result holds the same bytes everywhere, so each rank
 checks all of it for non-finite values itself (piece by piece, as it is widened) and
 every rank takes the same decision without the guard's separate agreement.
 
@@ -121,16 +121,17 @@ def allreduce(t: Transport, x: np.ndarray, codec: Compressor, ef: ResidualStore 
                 residual=residual[a:b] if fused else None,
                 decoded=decoded[a:b] if decoded is not None else None, tally=tally)
             stop = b
-            if b == n:                                       # the last piece
+            if b == n:                  # the last piece, with the flags (zeros unguarded:
+                stop = n + FLAGS        # every rank sums the same count either way)
                 if decoded is not None:
                     assert ef is not None
                     ef.update(key, x, decoded)
+                flags = (False, False)
                 if guard is not None:
                     e2 = float(tally[0]) if tally is not None else \
                         (residual_norm() if residual_norm is not None else 0.0)
-                    v.view(np.uint16)[n:n + FLAGS] = np.where(guard.flags(key, e2),
-                                                              _ONE[name], 0)
-                    stop = n + FLAGS
+                    flags = guard.flags(key, e2)
+                v.view(np.uint16)[n:stop] = np.where(flags, _ONE[name], 0)
             sent.append((payload, t.native_allreduce_start(v[a:stop], "sum", wire)))
         out2 = 0.0
         for (a, b), (payload, work) in zip(cuts, sent):

@@ -304,6 +304,11 @@ class Routes:
             return self._settled(out, plan, keys, lengths, reason)
         if guard is not None:
             guard.observe(plan.unit, x)
+        if plan.gather is not None and not check and (guard is None or guard.clip is None):
+            res = self.residuals                # the guard's flags ride on the frames
+            res.open(keys, lengths, x, step, plan.unit)
+            out, reason = plan.gather.run(self.transport, x, step, res.store, guard=guard)
+            return self._settled(out, plan, keys, lengths, reason)
         out = self._collective(x, plan, keys, lengths, check, step)
         reason = None
         if guard is not None:
@@ -356,7 +361,7 @@ class Routes:
         store, dtype = self.residuals.store, plan.work
         if plan.route is not None and not check:
             if plan.gather is not None:
-                return plan.gather.run(self.transport, x, step, store)
+                return plan.gather.run(self.transport, x, step, store)[0]
             return run(self.transport, x, dtype, "sum", plan.route, plan.codec, self.seed,
                        step, store, unit, plan.feedback)
         if self.algorithm == "native":                  # PowerSGD's rounds, on the library
@@ -393,7 +398,7 @@ class Routes:
         out, reason = cast.allreduce(
             t, x, codec, store, unit, residual=owed, guard=guard, g2=g2,
             residual_norm=lambda: sum(sq_norm(e) for e in res.unit_arrays(unit)))
-        self.stats["native_nbytes"] += 2 * (arrays.size(x) + (cast.FLAGS if guard else 0))
+        self.stats["native_nbytes"] += 2 * (arrays.size(x) + cast.FLAGS)
         return out, reason
 
     def _gather_plan(self, x: Any, plan: Plan, unit: str) -> Any:

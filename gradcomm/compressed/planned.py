@@ -74,8 +74,14 @@ class PlannedGather:
     def _views(self, frame: np.ndarray) -> dict[str, np.ndarray]:
         return {name: frame[o:o + c * dt.itemsize].view(dt) for name, dt, o, c in self.bufs}
 
-    def write(self, frame: np.ndarray, x: np.ndarray, step: int) -> dict[str, np.ndarray]:
-        """Frame ``x`` (seeded by ``step``) into ``frame``; returns its buffers' views."""
+    def write(self, frame: np.ndarray, x: np.ndarray, step: int,
+              residual: np.ndarray | None = None, tally: np.ndarray | None = None
+              ) -> dict[str, np.ndarray]:
+        """Frame ``x`` (seeded by ``step``) into ``frame``; returns its buffers' views.
+        With ``residual``, ``x + residual`` is framed and ``residual`` left holding what
+        the codec lost, its norm added to ``tally``: in the codec's fused pass where the
+        plan :attr:`~CodecPlan.fuses`, else step by step here (the same bytes, as
+        :func:`~gradcomm.compressors.base.compose`; ``x`` is scratch afterwards)."""
         frame[:self.head] = self.prefix
         frame[self.end:] = 0
         views = self._views(frame)
@@ -83,15 +89,29 @@ class PlannedGather:
         if self.cplan.seeded:
             (s, crc), tail = self._seed
             seed = (s, step, crc, *tail)
-        self.cplan.encode(x, seed, views)
+        if residual is None or self.cplan.fuses:
+            self.cplan.encode(x, seed, views, residual, tally)
+            return views
+        with np.errstate(invalid="ignore", over="ignore"):   # the fused pass's steps:
+            residual += x                                   # (compressors.base.compose)
+            self.cplan.encode(residual, seed, views)
+            self.cplan.decode(views, x, False)              # x is scratch now
+            residual -= x
+        if tally is not None:
+            tally[0] += sq_norm(residual)
+            tally[1] += residual.size
         return views
 
     def run(self, t: Transport, x: np.ndarray, step: int, ef: ResidualStore | None, *,
-            guard: Guard | None = None) -> tuple[np.ndarray, str | None]:
+            guard: Guard | None = None, residual: np.ndarray | None = None
+            ) -> tuple[np.ndarray, str | None]:
         """``x = Σ_ranks x`` (flat float32 host ``x`` of the planned count, in place)
         through the codec, with ``ef``'s residual of the key when the plan feeds back;
         returns ``x`` and the divergence guard's decision (None: no ``guard``, or nothing
-        wrong).
+        wrong). ``residual``: the key's residual as one flat float32 array as long as
+        ``x`` (the owner's, e.g. ``KeyedResiduals.owed``, not yet added to ``x``): added
+        and updated in the codec's fused pass instead of ``ef``'s compensate and update,
+        with the same bytes (given only when the plan feeds back).
 
         Each frame carries :data:`FLAGS` more bytes: this rank's guard flags (a
         non-finite residual, a residual norm over the bound: ``guard.flags`` of the norm
@@ -102,14 +122,15 @@ class PlannedGather:
         message of its own (``guard.settle``; the input's norm is what ``guard.observe``
         recorded)."""
         ef = ef if self.feedback and ef is not None and ef.enabled else None
+        assert residual is None or self.feedback, "a residual for a plan without feedback"
         n, size = self.n, self.size
+        tally = np.zeros(2) if guard is not None else None
         with session(t) as scratch:
-            if ef is not None:
+            if ef is not None and residual is None:
                 ef.compensate(self.key, x)
             frame = scratch.arena.take(size + FLAGS)
-            views = self.write(frame, x, step)
-            tally = np.zeros(2) if guard is not None else None
-            if ef is not None:
+            views = self.write(frame, x, step, residual, tally)
+            if ef is not None and residual is None:
                 dec = scratch.floats(0, n, np.float32)
                 self.cplan.decode(views, dec, False)
                 ef.tally = tally

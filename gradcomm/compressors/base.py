@@ -41,9 +41,16 @@ class CodecPlan(Protocol):
 
     #: the encoding draws from ``seed`` (else ``encode`` ignores it)
     seeded: bool
+    #: ``encode`` takes ``residual`` (and ``tally``) in one fused pass (the kernel path
+    #: has one); else a caller composes the steps (e.g. ``compressed.planned``)
+    fuses: bool
 
-    def encode(self, x: np.ndarray, seed: Any, views: Mapping[str, np.ndarray]) -> None:
-        """Fill ``views`` with the payload buffers of ``compress(x, seed=seed)``."""
+    def encode(self, x: np.ndarray, seed: Any, views: Mapping[str, np.ndarray],
+               residual: np.ndarray | None = None, tally: np.ndarray | None = None) -> None:
+        """Fill ``views`` with the payload buffers of ``compress(x, seed=seed)``; with
+        ``residual`` (only where :attr:`fuses`) those of ``compress(x, seed=seed,
+        residual=residual, tally=tally)`` in one pass: ``x + residual`` encoded,
+        ``residual`` left holding what the encoding lost, its norm added to ``tally``."""
 
     def decode(self, views: Mapping[str, np.ndarray], out: np.ndarray, add: bool) -> None:
         """``out = decode`` (``add``: ``out = decode + out``) of the buffers ``views`` of

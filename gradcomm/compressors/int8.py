@@ -190,12 +190,18 @@ class _MinMaxPlan:
         self.n, self.bits, self.bs = n, c.bits, c.bucket_size
         self.seeded = c.rounding == "stochastic"
         self.k = _kernels.for_size(n)
+        self.fuses = self.k.FUSED
         self._key = np.zeros(4, np.uint32)
 
-    def encode(self, x: np.ndarray, seed: Any, views: Any) -> None:
+    def encode(self, x: np.ndarray, seed: Any, views: Any, residual: Any = None,
+               tally: Any = None) -> None:
         key = seed_words(seed) if self.seeded else self._key
-        self.k.minmax_encode(x, self.bs, self.bits, self.seeded, key, views["lo"],
-                             views["unit"], views["q"])
+        args = (x, self.bs, self.bits, self.seeded, key, views["lo"], views["unit"],
+                views["q"])
+        if residual is None:
+            self.k.minmax_encode(*args)
+        else:
+            self.k.minmax_encode_fused(*args, residual=residual, tally=tally)
 
     def decode(self, views: Any, out: np.ndarray, add: bool) -> None:
         self.k.minmax_decode(views["q"], self.n, self.bs, self.bits, views["lo"],

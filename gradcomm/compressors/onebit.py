@@ -101,9 +101,15 @@ class _OneBitPlan:
 
     def __init__(self, n: int, bs: int) -> None:
         self.n, self.bs, self.k = n, bs, _kernels.for_size(n)
+        self.fuses = self.k.FUSED
 
-    def encode(self, x: np.ndarray, seed: Any, views: Any) -> None:
-        self.k.onebit_encode(x, self.bs, views["pos"], views["neg"], views["q"])
+    def encode(self, x: np.ndarray, seed: Any, views: Any, residual: Any = None,
+               tally: Any = None) -> None:
+        args = (x, self.bs, views["pos"], views["neg"], views["q"])
+        if residual is None:
+            self.k.onebit_encode(*args)
+        else:
+            self.k.onebit_encode_fused(*args, residual=residual, tally=tally)
 
     def decode(self, views: Any, out: np.ndarray, add: bool) -> None:
         self.k.onebit_decode(views["q"], self.n, self.bs, views["pos"], views["neg"], out,

@@ -20,7 +20,10 @@ from gradcomm.errors import PayloadError
 STEPS = 3
 
 
-def _planned(p: int, n: int, name: str, options: dict) -> list:
+def _planned(p: int, n: int, name: str, options: dict, fused: bool = False) -> list:
+    """Every rank's results and final residual over STEPS steps; ``fused``: from the
+    second step the residual is handed to the plan (``residual=``, the codec's fused
+    pass, or its step-by-step twin on the numpy path) instead of compensate/update."""
     def fn(t):
         codec = compressors.get(name, **options)
         g = planned.plan_gather(t, codec, n, "w", seed=3, feedback=True)
@@ -28,20 +31,26 @@ def _planned(p: int, n: int, name: str, options: dict) -> list:
         state, outs = ErrorFeedback(), []
         for s in range(STEPS):
             x = gaussian_input(t.rank + 7 * s, n, "float32")
-            outs.append(g.run(t, x, s, state)[0].copy())
+            e = state._residuals["w"] if fused and s else None
+            outs.append(g.run(t, x, s, state, residual=e)[0].copy())
         return outs, state._residuals["w"].copy()
 
     return run_ranks(p, fn, timeout=120)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["update", "fused"])
 @pytest.mark.parametrize("p,n,name,options", [
     (2, 1, "int8", {}), (3, 2, "int8", {}), (3, 1000, "int8", {"bucket_size": 64}),
     (5, 777, "int8", {"bucket_size": 128}),
     (2, 3000, "int8", {"bits": 4, "rounding": "stochastic", "bucket_size": 256}),
     (3, 513, "int8", {"bits": 2, "rounding": "stochastic", "bucket_size": 64}),
-    (2, 1, "onebit", {}), (3, 1001, "onebit", {"bucket_size": 64})])
-def test_planned_gather_is_the_replay(p: int, n: int, name: str, options: dict) -> None:
-    got = _planned(p, n, name, options)
+    (2, 70001, "int8", {"rounding": "stochastic"}), (3, 70001, "int8", {}),
+    (2, 1, "onebit", {}), (3, 1001, "onebit", {"bucket_size": 64}),
+    (2, 70001, "onebit", {})])
+def test_planned_gather_is_the_replay(p: int, n: int, name: str, options: dict,
+                                      fused: bool) -> None:
+    """70001 elements run the numba kernels (the fused pass), the others numpy's."""
+    got = _planned(p, n, name, options, fused)
     stores = [ErrorFeedback() for _ in range(p)]
     for s in range(STEPS):
         ref = replay([gaussian_input(r + 7 * s, n, "float32") for r in range(p)],
@@ -100,13 +109,15 @@ def test_what_does_not_plan() -> None:
         ("nan_input", "nonfinite"), ("nan_residual", "nonfinite"),
         ("big_input", "over_bound"), ("", None))),
     ("int8", "sum_overflows", "nonfinite")])
+@pytest.mark.parametrize("fused", [False, True], ids=["update", "fused"])
 def test_the_guard_rides_on_the_frames_and_every_rank_decides_alike(p, name, plant,
-                                                                    reason) -> None:
+                                                                    reason, fused) -> None:
     """The guard's flags travel in each frame's last bytes: rank 1's non-finite input or
     residual, or its input 10^4 times the last (a residual past the bound), gives the same
     decision on every rank, with no message of the guard's own; so does a sum that
     overflows float32 from finite inputs and residuals (int8: every rank's element 5 at
-    3e38, decoded about as it is); a clean step, None."""
+    3e38, decoded about as it is); a clean step, None. ``fused``: the second step hands
+    the residual to the codec's pass (its tally gives the residual's norm)."""
     from gradcomm.compressed.guard import Guard
 
     n = 300
@@ -128,7 +139,8 @@ def test_the_guard_rides_on_the_frames_and_every_rank_decides_alike(p, name, pla
                 x[5] = 3e38
             guard.observe("w", x)
             sent = t.stats.bytes_sent
-            out, why = g.run(t, x, s, state, guard=guard)
+            e = state._residuals["w"] if fused and s else None    # the fused pass's tally
+            out, why = g.run(t, x, s, state, guard=guard, residual=e)
             reasons.append((why, t.stats.bytes_sent - sent))
         sent = t.stats.bytes_sent
         g.run(t, gaussian_input(t.rank, n, "float32"), 2, state)      # unguarded

@@ -306,8 +306,14 @@ class Routes:
             guard.observe(plan.unit, x)
         if plan.gather is not None and not check and (guard is None or guard.clip is None):
             res = self.residuals                # the guard's flags ride on the frames
-            res.open(keys, lengths, x, step, plan.unit)
-            out, reason = plan.gather.run(self.transport, x, step, res.store, guard=guard)
+            unit = res.open(keys, lengths, x, step, plan.unit, take=False)
+            store, owed = res.store, None
+            if plan.gather.feedback:                # the residual in the codec's pass
+                owed = store.owed(unit, x)
+            if owed is None:
+                store.take(unit, x)
+            out, reason = plan.gather.run(self.transport, x, step, store, guard=guard,
+                                          residual=owed)
             return self._settled(out, plan, keys, lengths, reason)
         out = self._collective(x, plan, keys, lengths, check, step)
         reason = None

@@ -15,7 +15,10 @@
    library cannot reduce (16-bit floats under MPI).
 4. With a compressor the bucket is reduced in float32 (float64 for float64 buckets): the
    error-feedback residual of every parameter is added to its slice, the compressed
-   collective runs, and each parameter's residual keeps what its slice lost.
+   collective runs, and each parameter's residual keeps what its slice lost. Under
+   ``"auto"`` a gathered codec that plans (int8, onebit) takes the planned allgather at
+   p = 2, the same bytes as the per-hop ring in one exchange with nothing re-compressed
+   (:mod:`gradcomm.compressed.planned`); elsewhere the cost model chooses the route.
 5. The future completes with the reduced bucket; DDP copies it into ``.grad``.
 
 **Residuals are keyed by parameter name**, not by bucket, so they survive DDP's bucket

@@ -263,7 +263,7 @@ class Routes:
                 if self.algorithm != "auto" or algorithm != "native":
                     raise
                 self.no_native.add(meta.dtype)
-                algorithm = "allgather"
+                algorithm = "auto"
                 dense_allreduce(t, view, "sum", meta.dtype, algorithm, check=check)
             if algorithm == "native":
                 self.stats["native_nbytes"] += host.numel() * host.element_size()

@@ -32,6 +32,7 @@ Example:
 from __future__ import annotations
 
 import math
+import time
 import zlib
 from typing import Any
 
@@ -46,8 +47,12 @@ from .frames import Frames
 from .guard import Guard, sq_norm
 from .state import Scratch, session
 
-#: bytes each frame carries after the planned frame: the divergence guard's two flags
-FLAGS = 2
+#: bytes each frame carries after the planned frame: the divergence guard's two flags and
+#: this rank's vote on cutting the route into pieces (:attr:`PlannedGather.pieces_pay`)
+FLAGS = 3
+#: the run whose frames carry the votes; the runs before it (but the first, which may
+#: compile kernels) are timed
+VOTE_AT = 6
 
 
 class PlannedGather:
@@ -70,6 +75,14 @@ class PlannedGather:
         self.end = max(o + c * dt.itemsize for _, dt, o, c in bufs)
         self.prefix = frame[:self.head].copy()
         self.frames = Frames(codec, np.zeros(0, np.float32))    # the validated reading
+        #: runs so far, and the seconds runs 1 .. VOTE_AT-1 spent in the exchange and in
+        #: the codec (encode, decodes)
+        self.runs, self.spent = 0, [0.0, 0.0]
+        #: decided at run VOTE_AT, the same on every rank (the votes travel in the
+        #: frames): whether every rank waited on the exchange longer than its codec
+        #: worked, so that a caller with a pieced route (:mod:`.planned_pipeline`, which
+        #: encodes while earlier pieces travel) should take it; None before
+        self.pieces_pay: bool | None = None
 
     def _views(self, frame: np.ndarray) -> dict[str, np.ndarray]:
         return {name: frame[o:o + c * dt.itemsize].view(dt) for name, dt, o, c in self.bufs}
@@ -123,12 +136,13 @@ class PlannedGather:
         recorded)."""
         ef = ef if self.feedback and ef is not None and ef.enabled else None
         assert residual is None or self.feedback, "a residual for a plan without feedback"
-        n, size = self.n, self.size
+        n, size, run = self.n, self.size, self.runs
         tally = np.zeros(2) if guard is not None else None
         with session(t) as scratch:
             if ef is not None and residual is None:
                 ef.compensate(self.key, x)
             frame = scratch.arena.take(size + FLAGS)
+            began = time.perf_counter()
             views = self.write(frame, x, step, residual, tally)
             if ef is not None and residual is None:
                 dec = scratch.floats(0, n, np.float32)
@@ -141,21 +155,35 @@ class PlannedGather:
             flags = (False, False)
             if tally is not None and guard is not None:
                 flags = guard.flags(self.key, float(tally[0]))
-            frame[size:] = flags
+            frame[size:size + 2] = flags
+            frame[size + 2] = run == VOTE_AT and self.spent[0] > self.spent[1]
             landing = scratch.arena.take((size + FLAGS) * t.size)
+            sent = time.perf_counter()
             blocks = allgatherv(t, frame, sizes=np.full(t.size, size + FLAGS, np.int64),
                                 out=landing)
-            prefix = self.prefix
-            if all(np.array_equal(b[:self.head], prefix) for b in blocks):
-                for r, b in enumerate(blocks):
-                    self.cplan.decode(self._views(b), x, r > 0)
-            else:
-                self._checked_sum([b[:size] for b in blocks], x, scratch)
+            arrived = time.perf_counter()
+            self.sum_frames([b[:size] for b in blocks], x, scratch)
+            if 0 < run < VOTE_AT:
+                self.spent[0] += arrived - sent
+                self.spent[1] += sent - began + time.perf_counter() - arrived
+            elif run == VOTE_AT:
+                self.pieces_pay = all(b[size + 2] for b in blocks)
+            self.runs += 1
             if guard is None:
                 return x, None
-            counts = np.sum([b[size:] != 0 for b in blocks], axis=0)
+            counts = np.sum([b[size:size + 2] != 0 for b in blocks], axis=0)
             reason = guard.settle(self.key, None, math.isfinite(sq_norm(x)), counts)
         return x, reason
+
+    def sum_frames(self, blocks: list[np.ndarray], x: np.ndarray, scratch: Scratch) -> None:
+        """``x = Σ decode(blocks)`` in rank order (every rank's frame of this plan's size):
+        in place where each block's prefix is the planned one, else through
+        :class:`~.frames.Frames`' validated reading (PayloadError if one does not decode)."""
+        if all(np.array_equal(b[:self.head], self.prefix) for b in blocks):
+            for r, b in enumerate(blocks):
+                self.cplan.decode(self._views(b), x, r > 0)
+        else:
+            self._checked_sum(blocks, x, scratch)
 
     def _checked_sum(self, blocks: list[np.ndarray], x: np.ndarray, scratch: Scratch
                      ) -> None:

@@ -150,3 +150,26 @@ def test_the_guard_rides_on_the_frames_and_every_rank_decides_alike(p, name, pla
         assert [why for why, _ in reasons] == [None, reason]
         assert resets == (reason is not None)
         assert [b for _, b in reasons] == [unguarded] * 2     # no message of its own
+
+
+@pytest.mark.parametrize("spent, want", [(((2.0, 1.0), (2.0, 1.0)), True),
+                                         (((2.0, 1.0), (1.0, 2.0)), False)])
+def test_the_ranks_vote_in_the_frames_whether_pieces_pay(spent, want) -> None:
+    """At run VOTE_AT each rank votes (its exchange took longer than its codec) in its
+    frame's last byte; every rank reads every vote, so all decide alike: pieces pay only
+    if every rank waited on the wire. The runs before are timed (not the first)."""
+    n = 3000
+
+    def fn(t):
+        g = planned.plan_gather(t, compressors.get("int8"), n, "w", seed=0, feedback=False)
+        x = gaussian_input(t.rank, n, "float32")
+        for _ in range(planned.VOTE_AT):
+            g.run(t, x.copy(), 0, None)
+        timed = g.spent[0] > 0 and g.spent[1] > 0 and g.pieces_pay is None
+        g.spent = list(spent[t.rank])                      # planted timings
+        y = g.run(t, x.copy(), 0, None)[0]
+        return timed, g.pieces_pay, y.tobytes()
+
+    res = run_ranks(2, fn)
+    assert [r[:2] for r in res] == [(True, want)] * 2
+    assert res[0][2] == res[1][2]

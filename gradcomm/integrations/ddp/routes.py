@@ -76,7 +76,8 @@ class Plan:
     compressed units, the ``route`` and ``codec`` the collective
     runs (None until the first reduction decided them; PowerSGD: always None, its
     rounds are planned per call), the allgather route laid out for this count
-    (``gather``: :func:`~gradcomm.compressed.planned.plan_gather`, where the codec plans),
+    (``gather``: :func:`~gradcomm.compressed.planned.plan_gather`, where the codec plans;
+    later cut into pieces where that pays, :meth:`Routes._gathered`),
     and how the divergence guard's ranks agree
     (:func:`~gradcomm.compressed.guard.agreement`, resolved at its first check)."""
 
@@ -100,7 +101,8 @@ class Routes:
     ``transport`` carries gradcomm's messages (host buffers); ``library``, for a device
     process group (NCCL), is that group, whose allreduce sums uncompressed device buckets
     in place. ``stats``: ``buckets`` reduced, ``bytes_sent`` by gradcomm's own messages,
-    ``native_nbytes`` handed to the library's allreduce and ``comm_seconds`` spent.
+    ``native_nbytes`` handed to the library's allreduce, ``comm_seconds`` spent and
+    ``pieced``, the layouts whose planned allgather was cut into pieces.
     ``stateful``: keep the guard even without residuals (momentum correction may be set
     as ``momentum`` later, when the hook finds the optimizer).
     """
@@ -115,7 +117,8 @@ class Routes:
         self.compressor, self.algorithm = reduction.compressor, reduction.algorithm
         self.seed = int(reduction.seed or 0)
         self.residuals = residuals
-        self.stats = {"buckets": 0, "bytes_sent": 0, "native_nbytes": 0, "comm_seconds": 0.0}
+        self.stats = {"buckets": 0, "bytes_sent": 0, "native_nbytes": 0, "comm_seconds": 0.0,
+                      "pieced": 0}
         stateful = stateful or residuals.enabled or momentum is not None or (
             self.compressor is not None and self.compressor.name == "powersgd")
         if clip is not None and not (guard and stateful):
@@ -312,8 +315,7 @@ class Routes:
                 owed = store.owed(unit, x)
             if owed is None:
                 store.take(unit, x)
-            out, reason = plan.gather.run(self.transport, x, step, store, guard=guard,
-                                          residual=owed)
+            out, reason = self._gathered(x, plan, step, guard, owed)
             return self._settled(out, plan, keys, lengths, reason)
         out = self._collective(x, plan, keys, lengths, check, step)
         reason = None
@@ -367,7 +369,7 @@ class Routes:
         store, dtype = self.residuals.store, plan.work
         if plan.route is not None and not check:
             if plan.gather is not None:
-                return plan.gather.run(self.transport, x, step, store)[0]
+                return self._gathered(x, plan, step, None, None)[0]
             return run(self.transport, x, dtype, "sum", plan.route, plan.codec, self.seed,
                        step, store, unit, plan.feedback)
         if self.algorithm == "native":                  # PowerSGD's rounds, on the library
@@ -412,6 +414,27 @@ class Routes:
             residual_norm=lambda: sum(sq_norm(e) for e in res.unit_arrays(unit)))
         self.stats["native_nbytes"] += 2 * (arrays.size(x) + cast.FLAGS)
         return out, reason
+
+    def _gathered(self, x: np.ndarray, plan: Plan, step: int, guard: Guard | None,
+                  residual: np.ndarray | None) -> tuple[np.ndarray, str | None]:
+        """``plan.gather.run``; once its ranks found that they wait on the exchange longer
+        than the codec works (:attr:`~gradcomm.compressed.planned.PlannedGather.
+        pieces_pay`, the same decision on every rank), the layout is cut into pieces of
+        about :data:`~gradcomm.compressed.planned_pipeline.PIECE_BYTES` of payload
+        (:class:`~gradcomm.compressed.planned_pipeline.PipelinedGather`: the codec works
+        while earlier pieces travel; the same bytes) where the codec allows."""
+        from ...compressed.planned_pipeline import piece_of, plan_pipeline
+
+        g = plan.gather
+        out = g.run(self.transport, x, step, self.residuals.store, guard=guard,
+                    residual=residual)
+        if g.pieces_pay:
+            g.pieces_pay = False
+            plan.gather = plan_pipeline(
+                self.transport, g.codec, g.n, g.key, seed=self.seed, feedback=g.feedback,
+                piece=piece_of(g.codec, g.n)) or g
+            self.stats["pieced"] += plan.gather is not g
+        return out
 
     def _gather_plan(self, x: Any, plan: Plan, unit: str) -> Any:
         """The layout's :class:`~gradcomm.compressed.planned.PlannedGather` (the allgather

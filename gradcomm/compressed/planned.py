@@ -147,16 +147,9 @@ class PlannedGather:
             if ef is not None and residual is None:
                 dec = scratch.floats(0, n, np.float32)
                 self.cplan.decode(views, dec, False)
-                ef.tally = tally
-                try:
-                    ef.update(self.key, x, dec)
-                finally:
-                    ef.tally = None
-            flags = (False, False)
-            if tally is not None and guard is not None:
-                flags = guard.flags(self.key, float(tally[0]))
-            frame[size:size + 2] = flags
-            frame[size + 2] = run == VOTE_AT and self.spent[0] > self.spent[1]
+                update_tallied(ef, self.key, x, dec, tally)
+            frame[size:] = (*guard_flags(guard, self.key, tally),
+                            run == VOTE_AT and self.spent[0] > self.spent[1])
             landing = scratch.arena.take((size + FLAGS) * t.size)
             sent = time.perf_counter()
             blocks = allgatherv(t, frame, sizes=np.full(t.size, size + FLAGS, np.int64),
@@ -171,8 +164,8 @@ class PlannedGather:
             self.runs += 1
             if guard is None:
                 return x, None
-            counts = np.sum([b[size:size + 2] != 0 for b in blocks], axis=0)
-            reason = guard.settle(self.key, None, math.isfinite(sq_norm(x)), counts)
+            reason = guard.settle(self.key, None, math.isfinite(sq_norm(x)),
+                                  flag_counts([b[size:] for b in blocks]))
         return x, reason
 
     def sum_frames(self, blocks: list[np.ndarray], x: np.ndarray, scratch: Scratch) -> None:
@@ -204,6 +197,31 @@ class PlannedGather:
             f.decode_add_payload(p, x)
 
 
+def update_tallied(ef: ResidualStore, key: str, x: np.ndarray, dec: np.ndarray,
+                   tally: np.ndarray | None) -> None:
+    """``ef.update(key, x, dec)`` with the new residual's norm added to ``tally``."""
+    ef.tally = tally
+    try:
+        ef.update(key, x, dec)
+    finally:
+        ef.tally = None
+
+
+def guard_flags(guard: Guard | None, key: str, tally: np.ndarray | None
+                ) -> tuple[bool, bool]:
+    """This rank's two guard flags for its frames: ``guard.flags`` of the residual norm
+    in ``tally`` (zeros without a guard, so every rank sends the same bytes' count)."""
+    if guard is None or tally is None:
+        return False, False
+    return guard.flags(key, float(tally[0]))
+
+
+def flag_counts(tails: list[np.ndarray]) -> np.ndarray:
+    """How many ranks raised each guard flag: the sums over every rank's frame tail (its
+    last :data:`FLAGS` bytes)."""
+    return np.sum([tail[:2] != 0 for tail in tails], axis=0)
+
+
 def plan_gather(t: Transport, codec: Compressor, n: int, key: str, *, seed: int,
                 feedback: bool) -> PlannedGather | None:
     """The :class:`PlannedGather` of ``n`` float32 host elements of ``key`` on ``t`` (seed
@@ -227,4 +245,5 @@ def plan_gather(t: Transport, codec: Compressor, n: int, key: str, *, seed: int,
     return planned if np.array_equal(mine, frame) else None
 
 
-__all__ = ["FLAGS", "PlannedGather", "plan_gather"]
+__all__ = ["FLAGS", "VOTE_AT", "PlannedGather", "flag_counts", "guard_flags", "plan_gather",
+           "update_tallied"]

@@ -43,7 +43,7 @@ from ..compressors.base import Compressor
 from ..error_feedback import ResidualStore
 from ..errors import PayloadError
 from .guard import Guard, sq_norm
-from .planned import FLAGS, PlannedGather, plan_gather
+from .planned import FLAGS, PlannedGather, flag_counts, guard_flags, plan_gather, update_tallied
 from .state import session
 
 #: elements per piece by default (2 MiB of float32; the DDP cast route's size)
@@ -116,16 +116,8 @@ class PipelinedGather:
                     g.cplan.decode(views, dec[lo:hi], False)
                 if i == len(self.pieces) - 1:
                     if update:
-                        ef.tally = tally
-                        try:
-                            ef.update(self.key, x, dec)
-                        finally:
-                            ef.tally = None
-                    flags = (False, False)
-                    if tally is not None and guard is not None:
-                        flags = guard.flags(self.key, float(tally[0]))
-                    mine[g.size:g.size + 2] = flags
-                    mine[g.size + 2:] = 0                   # (no vote: pieced already)
+                        update_tallied(ef, self.key, x, dec, tally)
+                    mine[g.size:] = (*guard_flags(guard, self.key, tally), False)  # no vote
                 sends.extend(t.isend(mine, r, TAG_DATA) for r in peers)
                 while not update and done <= i and all(q.test() for q in recvs[done]):
                     settle()            # piece ``done`` is in: decode it while i+1 flies
@@ -138,8 +130,7 @@ class PipelinedGather:
             if guard is None:
                 return x, None
             last = len(sizes) - 1
-            at = sizes[last] - FLAGS
-            counts = np.sum([frame(last, r)[at:at + 2] != 0 for r in range(p)], axis=0)
+            counts = flag_counts([frame(last, r)[sizes[last] - FLAGS:] for r in range(p)])
             reason = guard.settle(self.key, None, math.isfinite(sq_norm(x)), counts)
         return x, reason
 

@@ -34,13 +34,16 @@ class TransportState:
         steps: call counters by name (:meth:`next_step`), for calls without a residual
             store: their step seeds the stochastic codecs.
         arena: the compressed allreduce's reusable buffers (set by that layer).
+        plans: the compressed allreduce's gathered routes planned per layout (codec,
+            count, key, seed, feedback), most recent last (:mod:`gradcomm.compressed.
+            routes`).
         scratch: the dense collectives' reusable receive buffers, by slot
             (:class:`~gradcomm.collectives._wire.DenseWire`).
         lock: guards ``arena`` (and what else a layer shares between threads).
     """
 
     __slots__ = ("signatures", "profile", "profile_agreed", "local_profile",
-                 "local_profile_set", "choices", "steps", "arena", "scratch", "lock")
+                 "local_profile_set", "choices", "steps", "arena", "plans", "scratch", "lock")
 
     def __init__(self) -> None:
         self.signatures: dict[Any, Any] = {}
@@ -51,6 +54,7 @@ class TransportState:
         self.choices: dict[tuple[Any, ...], str] = {}
         self.steps: dict[str, int] = {}
         self.arena: Any = None
+        self.plans: dict[tuple[Any, ...], Any] = {}
         self.scratch: dict[Any, Any] = {}
         self.lock = threading.Lock()
 

@@ -116,15 +116,17 @@ class PlannedGather:
         return views
 
     def run(self, t: Transport, x: np.ndarray, step: int, ef: ResidualStore | None, *,
-            guard: Guard | None = None, residual: np.ndarray | None = None
-            ) -> tuple[np.ndarray, str | None]:
+            guard: Guard | None = None, residual: np.ndarray | None = None,
+            tally: np.ndarray | None = None) -> tuple[np.ndarray, str | None]:
         """``x = Σ_ranks x`` (flat float32 host ``x`` of the planned count, in place)
         through the codec, with ``ef``'s residual of the key when the plan feeds back;
         returns ``x`` and the divergence guard's decision (None: no ``guard``, or nothing
         wrong). ``residual``: the key's residual as one flat float32 array as long as
         ``x`` (the owner's, e.g. ``KeyedResiduals.owed``, not yet added to ``x``): added
         and updated in the codec's fused pass instead of ``ef``'s compensate and update,
-        with the same bytes (given only when the plan feeds back).
+        with the same bytes (given only when the plan feeds back). ``tally``: the new
+        residual's ``(sq_norm, size)`` is added to it (:attr:`ResidualStore.tally`; the
+        guard's flags read it too).
 
         Each frame carries :data:`FLAGS` more bytes: this rank's guard flags (a
         non-finite residual, a residual norm over the bound: ``guard.flags`` of the norm
@@ -137,7 +139,8 @@ class PlannedGather:
         ef = ef if self.feedback and ef is not None and ef.enabled else None
         assert residual is None or self.feedback, "a residual for a plan without feedback"
         n, size, run = self.n, self.size, self.runs
-        tally = np.zeros(2) if guard is not None else None
+        if tally is None and guard is not None:
+            tally = np.zeros(2)
         with session(t) as scratch:
             if ef is not None and residual is None:
                 ef.compensate(self.key, x)

@@ -64,8 +64,8 @@ class PipelinedGather:
         self.pieces_pay: bool | None = False
 
     def run(self, t: Transport, x: np.ndarray, step: int, ef: ResidualStore | None, *,
-            guard: Guard | None = None, residual: np.ndarray | None = None
-            ) -> tuple[np.ndarray, str | None]:
+            guard: Guard | None = None, residual: np.ndarray | None = None,
+            tally: np.ndarray | None = None) -> tuple[np.ndarray, str | None]:
         """:meth:`PlannedGather.run <gradcomm.compressed.planned.PlannedGather.run>`, piece
         by piece (same arguments, same bytes). Without ``residual`` but with ``ef`` (its
         update needs all of the input) the pieces are still sent as they are encoded, and
@@ -78,7 +78,8 @@ class PipelinedGather:
         sizes = [g.size + (FLAGS if i == len(self.pieces) - 1 else 0)
                  for i, (_, _, g) in enumerate(self.pieces)]
         slot = max(sizes)
-        tally = np.zeros(2) if guard is not None else None
+        if tally is None and guard is not None:
+            tally = np.zeros(2)
         with session(t) as scratch:
             if update:
                 ef.compensate(self.key, x)
@@ -135,6 +136,19 @@ class PipelinedGather:
         return x, reason
 
 
+def pieced_if_it_pays(t: Transport, g: PlannedGather | PipelinedGather, seed: int
+                      ) -> PlannedGather | PipelinedGather:
+    """``g``, or its pieced twin (:func:`plan_pipeline`, pieces of :func:`piece_of`) once
+    ``g``'s ranks decided that pieces pay (:attr:`PlannedGather.pieces_pay
+    <gradcomm.compressed.planned.PlannedGather.pieces_pay>`, the same on every rank;
+    asked once). ``seed``: the plan's seed."""
+    if not g.pieces_pay or not isinstance(g, PlannedGather):
+        return g
+    g.pieces_pay = False
+    return plan_pipeline(t, g.codec, g.n, g.key, seed=seed, feedback=g.feedback,
+                         piece=piece_of(g.codec, g.n)) or g
+
+
 def piece_of(codec: Compressor, n: int, nbytes: int = PIECE_BYTES) -> int:
     """Elements per piece so that each piece's payload is about ``nbytes`` (``n``
     float32 elements through ``codec``): int8 about ``nbytes`` elements, onebit about 8
@@ -168,4 +182,5 @@ def plan_pipeline(t: Transport, codec: Compressor, n: int, key: str, *, seed: in
     return PipelinedGather([(lo, hi, plans[hi - lo]) for lo, hi in cuts], key, feedback)
 
 
-__all__ = ["PIECE", "PIECE_BYTES", "PipelinedGather", "piece_of", "plan_pipeline"]
+__all__ = ["PIECE", "PIECE_BYTES", "PipelinedGather", "piece_of", "pieced_if_it_pays",
+           "plan_pipeline"]

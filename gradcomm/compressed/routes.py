@@ -46,6 +46,8 @@ from ..errors import PayloadError
 from . import pipeline, ring
 from ._args import HOP_ALGORITHMS
 from .frames import Frames, max_nbytes
+from .planned import PlannedGather, plan_gather
+from .planned_pipeline import PipelinedGather, pieced_if_it_pays
 from .seeds import Seeds
 from .state import Scratch, session
 from .wire import CompressedWire
@@ -55,6 +57,8 @@ CHUNK_BYTES = 2 << 20
 #: pieces of the gathered route's pipeline: None lets the cost model decide, 1 is one
 #: shot (benchmarks set it to compare; it must be the same on every rank)
 GATHER_PIECES: int | None = None
+#: layouts whose gathered route a transport keeps planned (:func:`planned`)
+PLANS = 256
 
 
 def gather_pieces(t: Transport, codec: Compressor, n: int, dtype: str, itemsize: int) -> int:
@@ -153,6 +157,13 @@ def gathered(t: Transport, x: Any, codec: Compressor, sparse: bool, seeds: Seeds
         if k > 1:
             pipeline.allgather(t, x, f, seeds, e, k, tally)
             return
+        sig, g = (None, None) if sparse or f.device else \
+            planned(t, codec, x, seeds, key, ef is not None)
+        if g is not None:
+            g.run(t, x, seeds.base[1], None, residual=e, tally=tally)
+            if g.pieces_pay:                        # decided at one run, alike everywhere
+                t.state.plans[sig] = pieced_if_it_pays(t, g, seeds.base[0])
+            return
         if sparse and pairs:
             payload = codec.compress(x, seed=seeds.whole(),
                                      **({} if e is None else {"residual": e, "tally": tally}))
@@ -189,6 +200,27 @@ def gathered(t: Transport, x: Any, codec: Compressor, sparse: bool, seeds: Seeds
         moved = arrays.like(landing, x)
         payloads = [pl.rebased(landing, moved) for pl in payloads]
     _decode_sum(f, payloads, x)
+
+
+def planned(t: Transport, codec: Compressor, x: Any, seeds: Seeds, key: str,
+            feedback: bool) -> tuple[Any, PlannedGather | PipelinedGather | None]:
+    """The gathered route of ``key``'s host float32 ``x`` planned once per layout (kept in
+    ``t.state.plans`` under the returned signature, at most :data:`PLANS` of them, the
+    least recent dropped first): :class:`~.planned.PlannedGather` (later cut into pieces
+    where the ranks find that pays), or None where the codec does not plan. The same
+    bytes as the unplanned route (:func:`~.planned.plan_gather` checks its frame)."""
+    if not (isinstance(x, np.ndarray) and x.dtype == np.float32):
+        return None, None
+    seed, n = seeds.base[0], x.size
+    sig = (key, seed, codec, n, feedback)
+    plans = t.state.plans
+    g = plans.pop(sig, False)
+    if g is False:
+        g = plan_gather(t, codec, n, key, seed=seed, feedback=feedback)
+        while len(plans) >= PLANS:
+            del plans[next(iter(plans))]
+    plans[sig] = g                                  # the most recent last
+    return sig, g
 
 
 def _nonzero(a: Any) -> Any:

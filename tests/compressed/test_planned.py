@@ -173,3 +173,47 @@ def test_the_ranks_vote_in_the_frames_whether_pieces_pay(spent, want) -> None:
     res = run_ranks(2, fn)
     assert [r[:2] for r in res] == [(True, want)] * 2
     assert res[0][2] == res[1][2]
+
+
+@pytest.mark.timeout(120)
+def test_the_compressed_allreduce_plans_its_gathered_route_per_layout() -> None:
+    """``compressed_allreduce`` on host float32 keeps one plan per (key, count, codec,
+    seed, feedback) on the transport (``auto`` at p = 2 takes the allgather for int8) and
+    runs it from the first call: every step is the replay of the allgather route, residuals
+    included; once the ranks vote that pieces pay (planted timings), the layout is cut
+    into pieces, with the same bytes."""
+    from gradcomm.compressed import compressed_allreduce
+    from gradcomm.compressed.planned_pipeline import PipelinedGather
+
+    sizes, steps = {"w": 600_000, "b": 777}, planned.VOTE_AT + 3
+
+    def fn(t):
+        state, outs = ErrorFeedback(), []
+        for s in range(steps):
+            for key, n in sizes.items():
+                x = gaussian_input(t.rank + 7 * s, n, "float32")
+                outs.append(compressed_allreduce(t, x, "float32", op="sum", algorithm="auto",
+                                                 compressor="int8", residuals=state,
+                                                 key=key).copy())
+            if s == planned.VOTE_AT - 1:
+                for sig, g in t.state.plans.items():
+                    if sig[0] == "w":
+                        g.spent = [1.0, 0.5]            # the wire took longer than the codec
+        kinds = {sig[0]: type(g).__name__ for sig, g in t.state.plans.items()}
+        return outs, kinds, {k: state._residuals[k].copy() for k in sizes}
+
+    got = run_ranks(2, fn, timeout=100)
+    stores = [ErrorFeedback() for _ in range(2)]
+    i = 0
+    for s in range(steps):
+        for key, n in sizes.items():
+            want = replay([gaussian_input(r + 7 * s, n, "float32") for r in range(2)],
+                          dtype="float32", op="sum", algorithm="allgather",
+                          compressor="int8", residuals=stores, key=key)
+            for r in range(2):
+                assert got[r][0][i].tobytes() == want.tobytes(), (s, key, r)
+            i += 1
+    for r in range(2):
+        assert got[r][1] == {"w": PipelinedGather.__name__, "b": "PlannedGather"}
+        for key in sizes:
+            assert got[r][2][key].tobytes() == stores[r]._residuals[key].tobytes()

@@ -15,10 +15,9 @@
    library cannot reduce (16-bit floats under MPI).
 4. With a compressor the bucket is reduced in float32 (float64 for float64 buckets): the
    error-feedback residual of every parameter is added to its slice, the compressed
-   collective runs, and each parameter's residual keeps what its slice lost. Under
-   ``"auto"`` a gathered codec that plans (int8, onebit) takes the planned allgather at
-   p = 2, the same bytes as the per-hop ring in one exchange with nothing re-compressed
-   (:mod:`gradcomm.compressed.planned`); elsewhere the cost model chooses the route.
+   collective runs, and each parameter's residual keeps what its slice lost. Later
+   buckets of the same layout run the route the first one took, planned
+   (:mod:`gradcomm.compressed.planned`: int8 and onebit take it under ``"auto"`` at p = 2).
 5. The future completes with the reduced bucket; DDP copies it into ``.grad``.
 
 **Residuals are keyed by parameter name**, not by bucket, so they survive DDP's bucket

@@ -374,17 +374,11 @@ class Routes:
                        step, store, unit, plan.feedback)
         if self.algorithm == "native":                  # PowerSGD's rounds, on the library
             self.stats["native_nbytes"] += self._native_nbytes(x, unit, step)
-        first = None
-        if plan.route is None and self.compressor.name not in STAGED_CODECS:
-            first = self._route_of(x, dtype)
-        algorithm = self.algorithm                      # "auto" as the hook resolves it
-        if algorithm == "auto" and (plan.route or (first and first[0])) == "allgather":
-            algorithm = "allgather"
         out = compressed_allreduce(self.transport, x, dtype, op="sum",
-                                   algorithm=algorithm, compressor=self.compressor,
+                                   algorithm=self.algorithm, compressor=self.compressor,
                                    check=check, seed=self.seed, residuals=store, key=unit)
-        if first is not None:
-            plan.route, plan.codec = first
+        if plan.route is None and self.compressor.name not in STAGED_CODECS:
+            plan.route, plan.codec = self._route_of(x, dtype)
             plan.feedback = feeds_back(self.transport, plan.route, plan.codec, store)
             plan.gather = self._gather_plan(x, plan, unit)
         return out
@@ -423,16 +417,13 @@ class Routes:
         about :data:`~gradcomm.compressed.planned_pipeline.PIECE_BYTES` of payload
         (:class:`~gradcomm.compressed.planned_pipeline.PipelinedGather`: the codec works
         while earlier pieces travel; the same bytes) where the codec allows."""
-        from ...compressed.planned_pipeline import piece_of, plan_pipeline
+        from ...compressed.planned_pipeline import pieced_if_it_pays
 
         g = plan.gather
         out = g.run(self.transport, x, step, self.residuals.store, guard=guard,
                     residual=residual)
-        if g.pieces_pay:
-            g.pieces_pay = False
-            plan.gather = plan_pipeline(
-                self.transport, g.codec, g.n, g.key, seed=self.seed, feedback=g.feedback,
-                piece=piece_of(g.codec, g.n)) or g
+        if g.pieces_pay:                            # decided at one run, alike everywhere
+            plan.gather = pieced_if_it_pays(self.transport, g, self.seed)
             self.stats["pieced"] += plan.gather is not g
         return out
 
@@ -461,26 +452,9 @@ class Routes:
         route = self.algorithm
         if route == "auto" and t.size > 1 and n:
             route = route_of(t, codec, n, dtype, device=not arrays.is_host(x))
-            if route in HOP_ALGORITHMS and self._gathers_planned(x, codec, n, dtype):
-                route = "allgather"
         if route in HOP_ALGORITHMS:
             codec = segment_codec(codec, n)
         return route, codec
-
-    def _gathers_planned(self, x: Any, codec: Any, n: int, dtype: str) -> bool:
-        """Whether ``auto`` takes the planned allgather (:mod:`~gradcomm.compressed.planned`)
-        over the per-hop route the cost model picked: at p = 2, where both move the same
-        bytes per rank (one compressed copy of the unit each way), for a float32 host unit
-        whose gathered codec plans. The allgather then exchanges once, with nothing
-        re-compressed, through kernels planned once per layout; the per-hop ring runs two
-        dependent exchanges through the generic frames (bench/RESULTS.md, issue 12: about
-        0.75x the hook's step time for int8 and onebit, loopback and 1 Gbit/s)."""
-        from ...compressed.routes import gather_pieces
-
-        return self.transport.size == 2 and dtype == "float32" and \
-            isinstance(x, np.ndarray) and codec.reduction == "gathered" and \
-            not codec.sparse and codec.plan(n, "float32") is not None and \
-            gather_pieces(self.transport, codec, n, "float32", 4) == 1
 
     def _native_nbytes(self, x: np.ndarray, unit: str, step: int) -> int:
         """Bytes PowerSGD will hand to the library's allreduce for ``x`` (both rounds)."""

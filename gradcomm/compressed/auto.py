@@ -4,12 +4,7 @@ The per-hop candidate is the dense table's choice for the compressed size c
 (:func:`gradcomm.collectives.auto.select`); summable codecs always take it (gathering
 them only adds decoding). Gathered codecs compare it with allgather (sparse_allgather for
 sparse codecs) under :func:`gradcomm.collectives.costmodel.route_times`, fed by the
-transport's agreed calibrated profile if there is one. Without one, at p = 2 a codec
-that plans (:meth:`~gradcomm.compressors.base.Compressor.plan`: int8, onebit) takes the
-allgather: both routes move one compressed copy per rank there, and the allgather,
-planned once per layout (:mod:`.planned`), exchanges once with nothing re-compressed
-(measured 0.74-0.9x the per-hop ring's time, bench/RESULTS.md), which the default
-constants do not model. Device buffers take the gather
+transport's agreed calibrated profile if there is one. Device buffers take the gather
 routes (few, large transfers and kernel launches); PowerSGD, whose rounds each pick a
 dense algorithm, keeps ``"auto"``.
 
@@ -42,11 +37,7 @@ def choose(t: Transport, codec: Compressor, n: int, dtype: str, itemsize: int) -
     per_hop = select(t, c)
     if codec.reduction == "summable":
         return per_hop
-    profile = agreed_profile(t)
-    if profile is None and t.size == 2 and not codec.sparse and dtype == "float32" and \
-            codec.plan(n, dtype) is not None:
-        return "allgather"                          # planned: see the module docstring
-    times = route_times(t.size, n, c, itemsize, codec.name, per_hop, profile,
+    times = route_times(t.size, n, c, itemsize, codec.name, per_hop, agreed_profile(t),
                         gathered=True, sparse=codec.sparse,
                         chunk_bytes=routes.CHUNK_BYTES)
     return min(times, key=lambda r: (times[r], r == per_hop))    # ties: exact route

@@ -178,8 +178,7 @@ def test_the_ranks_vote_in_the_frames_whether_pieces_pay(spent, want) -> None:
 @pytest.mark.timeout(120)
 def test_the_compressed_allreduce_plans_its_gathered_route_per_layout() -> None:
     """``compressed_allreduce`` on host float32 keeps one plan per (key, count, codec,
-    seed, feedback) on the transport (``auto`` at p = 2 takes the allgather for int8) and
-    runs it from the first call: every step is the replay of the allgather route, residuals
+    seed, feedback) on the transport and runs it from the first call: every step is the replay of the allgather route, residuals
     included; once the ranks vote that pieces pay (planted timings), the layout is cut
     into pieces, with the same bytes."""
     from gradcomm.compressed import compressed_allreduce
@@ -192,7 +191,7 @@ def test_the_compressed_allreduce_plans_its_gathered_route_per_layout() -> None:
         for s in range(steps):
             for key, n in sizes.items():
                 x = gaussian_input(t.rank + 7 * s, n, "float32")
-                outs.append(compressed_allreduce(t, x, "float32", op="sum", algorithm="auto",
+                outs.append(compressed_allreduce(t, x, "float32", op="sum", algorithm="allgather",
                                                  compressor="int8", residuals=state,
                                                  key=key).copy())
             if s == planned.VOTE_AT - 1:

@@ -17,7 +17,8 @@
    error-feedback residual of every parameter is added to its slice, the compressed
    collective runs, and each parameter's residual keeps what its slice lost. Later
    buckets of the same layout run the route the first one took, planned
-   (:mod:`gradcomm.compressed.planned`: int8 and onebit take it under ``"auto"`` at p = 2).
+   (:mod:`gradcomm.compressed.planned`); under ``"auto"`` at p = 2 int8 and onebit take
+   the planned allgather, the same bytes as the per-hop ring in one exchange.
 5. The future completes with the reduced bucket; DDP copies it into ``.grad``.
 
 **Residuals are keyed by parameter name**, not by bucket, so they survive DDP's bucket

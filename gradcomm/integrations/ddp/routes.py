@@ -374,11 +374,17 @@ class Routes:
                        step, store, unit, plan.feedback)
         if self.algorithm == "native":                  # PowerSGD's rounds, on the library
             self.stats["native_nbytes"] += self._native_nbytes(x, unit, step)
-        out = compressed_allreduce(self.transport, x, dtype, op="sum",
-                                   algorithm=self.algorithm, compressor=self.compressor,
-                                   check=check, seed=self.seed, residuals=store, key=unit)
+        first = None
         if plan.route is None and self.compressor.name not in STAGED_CODECS:
-            plan.route, plan.codec = self._route_of(x, dtype)
+            first = self._route_of(x, dtype)
+        algorithm = self.algorithm                      # "auto" as the hook resolves it
+        if algorithm == "auto" and (plan.route or (first and first[0])) == "allgather":
+            algorithm = "allgather"
+        out = compressed_allreduce(self.transport, x, dtype, op="sum",
+                                   algorithm=algorithm, compressor=self.compressor,
+                                   check=check, seed=self.seed, residuals=store, key=unit)
+        if first is not None:
+            plan.route, plan.codec = first
             plan.feedback = feeds_back(self.transport, plan.route, plan.codec, store)
             plan.gather = self._gather_plan(x, plan, unit)
         return out
@@ -452,9 +458,28 @@ class Routes:
         route = self.algorithm
         if route == "auto" and t.size > 1 and n:
             route = route_of(t, codec, n, dtype, device=not arrays.is_host(x))
+            if route in HOP_ALGORITHMS and self._gathers_planned(x, codec, n, dtype):
+                route = "allgather"
         if route in HOP_ALGORITHMS:
             codec = segment_codec(codec, n)
         return route, codec
+
+    def _gathers_planned(self, x: Any, codec: Any, n: int, dtype: str) -> bool:
+        """Whether the hook's ``auto`` takes the planned allgather
+        (:mod:`~gradcomm.compressed.planned`) over the per-hop route the cost model picked:
+        at p = 2, where both move one compressed copy of the unit per rank, for a float32
+        host unit whose gathered codec plans. The allgather then exchanges once, with
+        nothing re-compressed, through kernels planned once per layout; the per-hop ring
+        runs two dependent exchanges through the generic frames (bench/RESULTS.md, issue
+        12: 0.74x the hook's step for int8 and onebit on gloo, loopback and 1 Gbit/s; not
+        for ``gradcomm.allreduce`` in general: on MPI at 100 MB the ring measured as fast
+        or faster)."""
+        from ...compressed.routes import gather_pieces
+
+        return self.transport.size == 2 and dtype == "float32" and \
+            isinstance(x, np.ndarray) and codec.reduction == "gathered" and \
+            not codec.sparse and codec.plan(n, "float32") is not None and \
+            gather_pieces(self.transport, codec, n, "float32", 4) == 1
 
     def _native_nbytes(self, x: np.ndarray, unit: str, step: int) -> int:
         """Bytes PowerSGD will hand to the library's allreduce for ``x`` (both rounds)."""

@@ -77,6 +77,7 @@ def launch_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env.update({
         "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
         "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+        "PYTHONFAULTHANDLER": "1",          # a rank that crashes prints every thread's stack
         "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])]),
     })
     env.update(extra or {})

@@ -79,6 +79,8 @@ CHECKS: dict[str, tuple[str, ...]] = {
     "powersgd": _pytest("tests/compressed/test_powersgd.py",
                         "tests/compressors/test_powersgd_codec.py"),
     "planned": _pytest("tests/compressed/test_planned.py"),
+    "planned_pipeline": _pytest("tests/compressed/test_planned_pipeline.py"),
+    "ddp_cast": _pytest("tests/integrations/ddp/test_ddp_cast.py"),
     "ddp_exact": _pytest("tests/integrations/ddp/test_ddp_hook.py", "-k",
                          "independent_reduction"),
     "bench_p3": _bench(3),
@@ -96,6 +98,7 @@ _RD = "gradcomm/collectives/recursive_doubling.py"
 _RAB = "gradcomm/collectives/rabenseifner.py"
 _DDP_ROUTES = "gradcomm/integrations/ddp/routes.py"
 _SEEDS = "gradcomm/compressed/seeds.py"
+_CAST = "gradcomm/integrations/ddp/cast.py"
 
 MUTANTS: tuple[Mutant, ...] = (
     # -- a misplaced segment in each dense algorithm
@@ -137,6 +140,39 @@ MUTANTS: tuple[Mutant, ...] = (
                   "self.cplan.decode(self._views(b), x, r > 0)",
                   "self.cplan.decode(self._views(b), x, True)"),),
            ("planned", "ddp_exact")),
+    Mutant("pieces-sum-reversed", "the pieced planned route sums each piece's frames from "
+           "rank p-1 down (the bytes change from 3 ranks on: float addition's order)",
+           (Patch("gradcomm/compressed/planned_pipeline.py",
+                  "blocks = [frame(done, r)[:g.size] for r in range(p)]",
+                  "blocks = [frame(done, r)[:g.size] for r in reversed(range(p))]"),),
+           ("planned_pipeline",)),
+    Mutant("planned-flags-silent", "the planned routes send no guard flags (a NaN or "
+           "runaway residual on one rank goes unseen by the others)",
+           (Patch("gradcomm/compressed/planned.py",
+                  "    return guard.flags(key, float(tally[0]))",
+                  "    return False, False"),),
+           ("planned", "planned_pipeline")),
+    Mutant("pieces-vote-own", "each rank cuts into pieces on its own vote, not on every "
+           "rank's (ranks may then run different routes)",
+           (Patch("gradcomm/compressed/planned.py",
+                  "self.pieces_pay = all(b[size + 2] for b in blocks)",
+                  "self.pieces_pay = bool(blocks[t.rank][size + 2])"),),
+           ("planned",)),
+    Mutant("cast-flags-silent", "the DDP cast route (fp16/bf16 on gloo) sums zero guard "
+           "flags (one rank's runaway residual goes unseen by the others)",
+           (Patch(_CAST, "                    flags = guard.flags(key, e2)",
+                  "                    flags = (False, False)"),),
+           ("ddp_cast",)),
+    Mutant("cast-result-unchecked", "the cast route does not check the summed result for "
+           "non-finite values (an overflowing float16 sum passes as a clean step)",
+           (Patch(_CAST, "                out2 += sq_norm(x[a:b])",
+                  "                out2 += 0.0"),),
+           ("ddp_cast",)),
+    Mutant("cast-residual-dropped", "the cast route's fused pass encodes x without the "
+           "residual (error feedback silently off on the hook's 16-bit route)",
+           (Patch(_CAST, "                residual=residual[a:b] if fused else None,",
+                  "                residual=None,"),),
+           ("ddp_cast",)),
     # -- error feedback that forgets its residual
     Mutant("ef-forgets", "ErrorFeedback.residual hands out fresh zeros every call (the "
            "residual written last step is never added back)",

@@ -30,7 +30,9 @@ def test_the_required_faults_are_planted_and_every_check_exists():
         assert f"{alg}-misplaced" in names
     assert {"fp16-encodes-zeros", "int8-decodes-zeros", "ef-forgets", "shared-seed-per-rank",
             "powersgd-projection-per-rank", "tree-drops-last-rank",
-            "fold-drops-rank0"} <= names
+            "fold-drops-rank0", "planned-adds-stale", "pieces-sum-reversed",
+            "planned-flags-silent", "pieces-vote-own", "cast-flags-silent",
+            "cast-result-unchecked", "cast-residual-dropped"} <= names
     assert "gradcomm/collectives/_fold.py" in touched
     root = mutate.ROOT
     for m in mutate.MUTANTS:

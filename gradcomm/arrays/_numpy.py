@@ -22,7 +22,7 @@ from ..errors import ConfigError
 from .base import Backend, Meta
 
 #: (dtype, shape) -> Meta of a host numpy array (Meta is immutable, so one can be shared;
-#: ``dtype.name`` is computed in Python by numpy: ~2 µs, more than a small allreduce's
+#: ``dtype.name`` is computed in Python by numpy and costs more than a small allreduce's
 #: whole budget)
 _META: dict[tuple[Any, tuple[int, ...]], Meta] = {}
 _CACHE_LIMIT = 4096

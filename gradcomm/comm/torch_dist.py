@@ -76,12 +76,11 @@ class TorchTransport(Transport):
 
     name = "torch"
     native_bounded = True       # its native allreduce waits with the deadline
-    # gloo moves messages on its own threads: double buffering keeps a 1 Gbit/s link as
-    # busy as a deep window does not (a 64 MiB window made a 100 MB ring 1.4x slower, load
-    # 18); messages of up to 16 MiB are as fast as 512 KiB ones (bench/RESULTS.md)
+    # gloo moves messages on its own threads: double buffering keeps a slow link busy,
+    # a deep window does not (bench/RESULTS.md, "Figures moved out of the code")
     max_chunk_bytes = NETWORK_MAX_CHUNK
-    # gloo's all_reduce of 8.7 MB of float16 at 1 Gbit/s: 77 ms, gradcomm's fp16 ring on
-    # the same bytes over this transport 135 ms (bench/RESULTS.md, issue 12)
+    # gloo's own all_reduce beats gradcomm's fp16 ring on the same bytes over this
+    # transport (bench/RESULTS.md, issue 12)
     native_preferred = True
 
     def __init__(self, group: Any = None, timeout: float = DEFAULT_TIMEOUT) -> None:

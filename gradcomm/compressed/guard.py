@@ -57,13 +57,13 @@ FULL_CLIP_RATIO = 0.25
 def default_clip(codec: Any, corrected: bool = False) -> float | None:
     """The DDP hook's default ``clip`` for ``codec``: for random-k ``sqrt(ratio)`` below
     :data:`FULL_CLIP_RATIO` (its error feedback sends a random 1/ratio-th of the owed
-    mass, many steps' worth per coordinate; at 1 % unclipped or at 1 it diverges under
-    momentum 0.9, bench/RESULTS.md); from it on 1 when ``corrected`` (the hook corrects
-    the optimizer's momentum, or the optimizer is not SGD: an update no longer than the
-    ranks' inputs together, which a dense sum cannot exceed either; at 25 % ``sqrt`` =
-    0.5 cut every step and lost 11 points at p=4, 1 lost 6), else 0.1 (an SGD momentum
-    the hook does not correct amplifies the stale mass: at 25 % clips 1, 0.5 and 0.25
-    ended above the initial loss, 0.1 did not); None for the other codecs.
+    mass, many steps' worth per coordinate: unclipped, or clipped at 1, it diverges
+    under momentum 0.9); from it on 1 when ``corrected`` (the hook corrects the
+    optimizer's momentum, or the optimizer is not SGD: an update no longer than the
+    ranks' inputs together, which a dense sum cannot exceed either; ``sqrt`` cut deeper
+    and lost more), else 0.1 (an SGD momentum the hook does not correct amplifies the
+    stale mass: larger clips ended above the initial loss); None for the other codecs.
+    The measurements behind each choice: bench/RESULTS.md, "Convergence".
 
     Example:
         >>> from gradcomm import compressors

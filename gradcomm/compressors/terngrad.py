@@ -7,8 +7,8 @@ Error feedback applies (``feedback_stable``; it is not a contraction in norm: th
 expected square ``s·|v|_1 - |v|²`` exceeds ``|v|²`` for Gaussian buckets), because every
 element's error ``|Q(v)_i - v_i|`` is below ``s`` and the largest element is sent
 exactly. It is what trains SGD + momentum: without it TernGrad's variance
-(``s·|v_i|`` per element) diverged on digits and lost 13-47 points on a 10-class task
-(bench/RESULTS.md, issue 13); with it, within 0.6 points. The DDP hook turns it off when
+(``s·|v_i|`` per element) diverged or fell far short of uncompressed training; with it,
+it came within a point (bench/RESULTS.md, "Convergence"). The DDP hook turns it off when
 the optimizer it finds is not SGD (Adam's per-coordinate steps lose points to the released
 residual: :mod:`gradcomm.integrations.ddp.momentum`).
 A bucket holding NaN or +-inf decodes to NaN. (TernGrad's gradient clipping is left to the

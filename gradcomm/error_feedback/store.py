@@ -159,8 +159,8 @@ def contractive(codec: Any, per_hop: bool = False) -> bool:
     one compression of a rank's own input (the gathered routes, the all-to-all
     reduce-scatter), not for a per-hop route (``per_hop=True``: ring, tree, recursive
     doubling, Rabenseifner, the ring reduce-scatter), which re-compresses partial sums and
-    keeps a residual per hop: there TernGrad's residuals grow (measured: the running mean's
-    error rises from 1.2x to 1.6x the signal over 24 steps at p = 4), so only contractions
+    keeps a residual per hop: there TernGrad's residuals grow from step to step
+    (bench/RESULTS.md, "Figures moved out of the code"), so only contractions
     take error feedback per hop. Each codec
     declares it (``Compressor.contractive``; int8 and QSGD set it
     from their options).

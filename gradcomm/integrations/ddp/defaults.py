@@ -23,13 +23,13 @@ SPARSE_WARMUP = 100
 #: steps per stage of the sparsity ramp that ``ramp="auto"`` gives topk below 1 %
 SPARSE_RAMP = 25
 #: ``make_comm_hook("powersgd")``'s rank, and its dense warm-up under ``start_iter="auto"``
-#: (rank 1, the codec's default, lost 7.6-8.2 points on a 10-class task; rank 4 after 50
-#: dense steps 0.7-1.3: bench/RESULTS.md, issue 13)
+#: (rank 1, the codec's default, fell short of uncompressed accuracy; rank 4 after 50
+#: dense steps came much closer: bench/RESULTS.md, "Convergence")
 POWERSGD_RANK, POWERSGD_WARMUP = 4, 50
 #: ``make_comm_hook("randomk")``'s ratio (the codec's own default stays 0.01). Random-k
 #: with error feedback sends each coordinate about once per ``1/ratio`` steps, carrying
-#: that many steps' gradients: at 1 % a 900-step run fell 33 points short (5 %: 27,
-#: 10 %: 27 clipped, 3.5 unclipped), at 25 % it trained (bench/RESULTS.md, issue 13).
+#: that many steps' gradients: at 1 % to 10 % it did not train in runs of 10^3 steps,
+#: at 25 % it did (bench/RESULTS.md, "Convergence").
 #: Random-k sends values only (the positions come from the shared seed), so 25 % is a
 #: quarter of the dense bytes.
 RANDOMK_RATIO = 0.25

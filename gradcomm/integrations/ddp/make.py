@@ -31,7 +31,7 @@ def make_comm_hook(compressor: Any = None, *, algorithm: str = "auto",
             :data:`~.defaults.RANDOMK_RATIO` (0.25), not the codec's 0.01: random-k with
             error feedback sends each coordinate once per ``1/ratio`` steps with that
             many steps' gradients, and at 1 % it does not train in runs of 10^3 steps
-            (33-50 points short, bench/RESULTS.md); at 25 % it sends a quarter of the
+            (bench/RESULTS.md); at 25 % it sends a quarter of the
             dense bytes (values only: the positions come from the shared seed).
         algorithm: any gradcomm allreduce algorithm the compressor composes with.
         error_feedback: keep per-parameter residuals of the compression error.
@@ -50,9 +50,9 @@ def make_comm_hook(compressor: Any = None, *, algorithm: str = "auto",
             :data:`~.defaults.SPARSE_RAMP` (25) for topk below 1 %, else None (no
             ramp). Top-k 0.1 %'s residuals hold the early, fast-changing steps' mass
             back until it is stale: after the dense steps the ramp lets the residuals
-            fill gradually (measured: 100 dense steps then the ramp -1.5 points at p=4
-            where 100 dense steps alone lost 2.1 and the ramp alone 4.5; it adds a
-            sixth (p=2) to a third (p=4) of a 100-dense-step warm-up's bytes).
+            fill gradually (measured closer to uncompressed than either the dense
+            steps or the ramp alone, for a fraction more of the warm-up's bytes:
+            bench/RESULTS.md).
         model: the DDP model (or its module), to name residuals after its parameters.
         optimizer: the training's optimizer; ``"auto"`` (default): the hook finds it
             at its first ``step()`` (torch's global step pre-hook; the first backward
@@ -63,7 +63,7 @@ def make_comm_hook(compressor: Any = None, *, algorithm: str = "auto",
             gradient and undoes SGD's own momentum on the result, so ``SGD(momentum=m)``
             performs DGC's update. These codecs need it: their error feedback holds
             mass back for many steps, and SGD's momentum then amplifies the stale
-            updates (top-k 1 % loses 2-6 points, random-k diverges; bench/RESULTS.md).
+            updates (top-k loses accuracy, random-k diverges; bench/RESULTS.md).
             Other codecs' errors are small and fresh: not applied. Adam cannot be
             corrected (a warning says so): use
             :class:`gradcomm.integrations.onebit_adam.OneBitAdam`. ``terngrad`` keeps

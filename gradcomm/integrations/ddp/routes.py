@@ -470,10 +470,9 @@ class Routes:
         at p = 2, where both move one compressed copy of the unit per rank, for a float32
         host unit whose gathered codec plans. The allgather then exchanges once, with
         nothing re-compressed, through kernels planned once per layout; the per-hop ring
-        runs two dependent exchanges through the generic frames (bench/RESULTS.md, issue
-        12: 0.74x the hook's step for int8 and onebit on gloo, loopback and 1 Gbit/s; not
-        for ``gradcomm.allreduce`` in general: on MPI at 100 MB the ring measured as fast
-        or faster)."""
+        runs two dependent exchanges through the generic frames (faster for the hook's
+        int8 and onebit on gloo; not for ``gradcomm.allreduce`` in general, where on MPI
+        the ring measured as fast: bench/RESULTS.md, issue 12)."""
         from ...compressed.routes import gather_pieces
 
         return self.transport.size == 2 and dtype == "float32" and \

@@ -16,6 +16,15 @@ codec's noise where ``v`` is small. 1-bit Adam instead
    ``v = 0``: 1-bit's reconstruction of their zero momentum, divided by ``eps``, is huge;
 3. updates ``p -= lr (m / (sqrt(v) + eps) + weight_decay p)`` (decoupled decay).
 
+Any codec can carry the momentum (``compressor=``, with the DDP hook's defaults for
+random-k's ratio and PowerSGD's rank). A dense reconstruction (1-bit, int8, TernGrad,
+random-k's rescaled sample) replaces each rank's momentum. Top-k's is mostly zeros, and
+replacing the momentum with it would wipe out what was not sent. So for a sparse codec
+(``Compressor.sparse``) each rank keeps its own momentum, error feedback accumulates its
+preconditioned value step after step until it is sent, and the update is the average
+itself: each gradient still enters the updates with its whole weight, as in Adam, only
+later.
+
 Use it with DDP by registering :func:`onebit_adam_hook` with the optimizer as its state:
 during the warm-up the hook averages the gradients (gloo/NCCL's own allreduce), after it
 the hook hands DDP the local gradient untouched (no communication: the optimizer
@@ -49,6 +58,7 @@ import torch
 
 from .._allreduce import Allreduce
 from ..errors import ConfigError
+from .ddp.defaults import default_options
 
 #: default warm-up (dense Adam) steps; measured in bench/converge.py (bench/RESULTS.md)
 DEFAULT_WARMUP = 100
@@ -77,8 +87,15 @@ class OneBitAdam(torch.optim.Optimizer):
         self.warmup_steps = warmup_steps
         self.comm = comm
         self.allreduce = Allreduce(comm, op="mean", compressor=compressor,
-                                   error_feedback=True, guard=guard, **options)
+                                   error_feedback=True, guard=guard,
+                                   **default_options(compressor, options))
         self.dense = Allreduce(comm, op="mean")
+        #: a sparse codec (top-k: ``Compressor.sparse``): each rank keeps its own
+        #: momentum, whose preconditioned value error feedback accumulates until it is
+        #: sent; the other codecs (1-bit, random-k's rescaled sample, ...) replace the
+        #: momentum by the average (bench/RESULTS.md, issue 13: each measured better)
+        self.local = self.allreduce.compressor is not None and \
+            self.allreduce.compressor.sparse
         self.steps = 0
         self.hooked = False          # set by onebit_adam_hook: DDP averages the warm-up
         #: ``bytes_sent`` by this optimizer's own reductions (a transport shared with
@@ -123,20 +140,26 @@ class OneBitAdam(torch.optim.Optimizer):
             ms.append(st["exp_avg"])
             denoms.append((st["exp_avg_sq"] / (1 - b2 ** t)).sqrt_().add_(group["eps"]))
             offset += n
+        updates = None
         if compressing:     # average the local momenta, preconditioned, through the codec
             z = self._reduce(self.allreduce, torch.cat([m / d for m, d in zip(ms, denoms)]),
                              key="momentum")
-            offset = 0
+            offset, updates = 0, ([] if self.local else None)
             for mi, d in zip(ms, denoms):
-                mi.copy_(z[offset:offset + mi.numel()] * d)
+                zi = z[offset:offset + mi.numel()]
                 offset += mi.numel()
+                if self.local:          # the rank's own momentum stays as it is
+                    updates.append(zi)   # type: ignore[union-attr]
+                else:
+                    mi.copy_(zi * d)
         self.steps += 1
-        for p, mi, d in zip(params, ms, denoms):
+        for i, (p, mi, d) in enumerate(zip(params, ms, denoms)):
             group = self._group(p)
             b1 = group["betas"][0]
             if group["weight_decay"]:
                 p.mul_(1 - group["lr"] * group["weight_decay"])
-            step = (mi / d).div_(1 - b1 ** self.steps)
+            step = (mi / d if updates is None else updates[i].clone()).div_(
+                1 - b1 ** self.steps)
             p.add_(step.view_as(p).to(p.dtype), alpha=-group["lr"])
         return loss
 

@@ -98,3 +98,40 @@ def test_bad_options():
         OneBitAdam([w], comm=None, betas=(1.0, 0.999))
     with pytest.raises(ConfigError):
         OneBitAdam([w], comm=None).load_state_dict({"state": {}, "param_groups": []})
+
+
+def test_a_sparse_codec_keeps_each_ranks_own_momentum():
+    """top-k (``Compressor.sparse``): after the warm-up each rank's momentum stays its own
+    ``b1 m + (1 - b1) g`` (error feedback carries what was not sent), not replaced by the
+    mostly-zero average; the update is the average; the replicas agree."""
+    def fn(t):
+        n, b1 = 400, 0.9
+        w = torch.nn.Parameter(torch.linspace(-1, 1, n))
+        opt = OneBitAdam([w], comm=t, lr=0.01, warmup_steps=2, weight_decay=0.0,
+                         compressor="topk", ratio=0.05)
+        checks = []
+        for s in range(6):
+            w.grad = _grad(t.rank, s, n)
+            m_prev = opt.state[w]["exp_avg"].clone() if opt.state[w] else torch.zeros(n)
+            w_prev = w.detach().clone()
+            opt.step()
+            if s >= 2:
+                landed = int((w.detach() != w_prev).sum())
+                kept = torch.equal(opt.state[w]["exp_avg"],
+                                   m_prev.mul_(b1).add_(w.grad, alpha=1 - b1))
+                checks.append((landed, kept))
+        return w.detach().numpy().copy(), checks
+
+    (w0, checks0), (w1, checks1) = run_ranks(2, fn)
+    assert w0.tobytes() == w1.tobytes()
+    for landed, kept in checks0 + checks1:
+        assert 0 < landed <= 2 * 20 and kept, (landed, kept)
+
+
+def test_the_codecs_get_the_hooks_measured_defaults():
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = OneBitAdam([w], comm=None, compressor="randomk")
+    assert opt.allreduce.compressor.get_config()["ratio"] == 0.25 and not opt.local
+    assert OneBitAdam([w], comm=None, compressor="randomk", ratio=0.5) \
+        .allreduce.compressor.get_config()["ratio"] == 0.5
+    assert OneBitAdam([w], comm=None, compressor="topk").local

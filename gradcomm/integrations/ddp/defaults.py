@@ -35,6 +35,22 @@ POWERSGD_RANK, POWERSGD_WARMUP = 4, 50
 RANDOMK_RATIO = 0.25
 
 
+def default_options(compressor: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` for a codec given by name, with the measured defaults the codec's own
+    lack: :data:`POWERSGD_RANK` for ``"powersgd"`` without ``rank``, :data:`RANDOMK_RATIO`
+    for ``"randomk"`` without ``ratio`` or ``k`` (the DDP hook's and ``OneBitAdam``'s).
+
+    Example:
+        >>> default_options("randomk", {}), default_options("randomk", {"k": 5})
+        ({'ratio': 0.25}, {'k': 5})
+    """
+    if compressor == "powersgd" and "rank" not in options:
+        return {**options, "rank": POWERSGD_RANK}
+    if compressor == "randomk" and "ratio" not in options and "k" not in options:
+        return {**options, "ratio": RANDOMK_RATIO}
+    return options
+
+
 def default_ramp(codec: Any) -> int | None:
     """``ramp="auto"``: :data:`SPARSE_RAMP` steps per stage of DGC's sparsity warm-up
     (:mod:`.ramp`) for topk below 1 %, else None (no ramp)."""
@@ -62,4 +78,5 @@ def default_start_iter(codec: Any) -> int:
 
 
 __all__ = ["POWERSGD_RANK", "POWERSGD_WARMUP", "RANDOMK_RATIO", "SPARSE_RAMP", "SPARSE_WARMUP",
+           "default_options",
            "default_ramp", "default_start_iter"]

@@ -34,7 +34,7 @@ from ...errors import ConfigError, GradcommError
 from . import checkpoint
 from . import lifecycle
 from .groups import resolve_transports
-from .defaults import POWERSGD_RANK, RANDOMK_RATIO, default_ramp, default_start_iter
+from .defaults import default_options, default_ramp, default_start_iter
 from .momentum import (CORRECTED_CODECS, MASKED_CODECS, SGD_FEEDBACK_CODECS, OptimizerWatch, feedback_with,
                        found_momentum, momentum_correction, restored, momentum_safe)
 from .ramp import SparsityRamp
@@ -67,10 +67,7 @@ class CommHookState:
                  residual_bound: float | None = DEFAULT_BOUND, momentum: float | None = None,
                  optimizer: Any = "auto", clip: float | None | str = "auto",
                  ramp: int | None | str = "auto", **options: Any) -> None:
-        if compressor == "powersgd" and "rank" not in options:
-            options = {**options, "rank": POWERSGD_RANK}
-        if compressor == "randomk" and "ratio" not in options and "k" not in options:
-            options = {**options, "ratio": RANDOMK_RATIO}
+        options = default_options(compressor, options)
         #: the validated configuration (the same checks and words as Allreduce and wrap)
         self.reduction = Reduction.configure(
             algorithm=algorithm, compressor=compressor, options=options, seed=seed,

@@ -99,8 +99,10 @@ def make_comm_hook(compressor: Any = None, *, algorithm: str = "auto",
     defaults to 25 %. With
     Adam/AdamW the hook compresses Adam's gradients, which costs points for the
     sparsifiers, onebit and TernGrad (it warns when it finds the optimizer): use
-    :class:`~gradcomm.integrations.onebit_adam.OneBitAdam`, which compresses the
-    preconditioned momentum after a dense warm-up.
+    ``OneBitAdam(params, compressor=name)``
+    (:class:`~gradcomm.integrations.onebit_adam.OneBitAdam`, with its
+    ``onebit_adam_hook``), which compresses the preconditioned momentum after a dense
+    warm-up, with any codec.
 
     See the module docstring for the steps, checkpoints and parity.
     """

@@ -75,7 +75,9 @@ def optimizer_momentum(optimizer: Any) -> float:
     if not isinstance(optimizer, torch.optim.SGD):
         warnings.warn(f"make_comm_hook(optimizer=...): momentum correction works with "
                       f"torch.optim.SGD, not {type(optimizer).__qualname__}; it is off. For "
-                      "Adam use gradcomm.integrations.onebit_adam.OneBitAdam",
+                      "Adam use gradcomm.integrations.onebit_adam.OneBitAdam(params, "
+                      "compressor=<this codec>) with onebit_adam_hook: it compresses Adam's "
+                      "momentum after a dense warm-up",
                       UserWarning, stacklevel=4)
         return 0.0
     found = {(float(g.get("momentum", 0.0)), float(g.get("dampening", 0.0)),
@@ -265,7 +267,8 @@ def feedback_with(codec: Any, optimizer: Any) -> bool:
         return True
     warnings.warn(f"make_comm_hook: {codec.name}'s error feedback is off with "
                   f"{type(optimizer).__qualname__} (it costs Adam points); for Adam use "
-                  "gradcomm.integrations.onebit_adam.OneBitAdam", UserWarning, stacklevel=4)
+                  f"gradcomm.integrations.onebit_adam.OneBitAdam(params, compressor="
+                  f"{codec.name!r}) with onebit_adam_hook", UserWarning, stacklevel=4)
     return False
 
 

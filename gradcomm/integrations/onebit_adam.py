@@ -69,20 +69,27 @@ class OneBitAdam(torch.optim.Optimizer):
 
     ``comm``: what :class:`gradcomm.Allreduce` takes (None: torch's default group if
     initialised); ``compressor`` and ``options``: the momentum's codec (default 1-bit);
-    ``guard``: the divergence guard of that Allreduce. All parameters must be on every
-    rank in the same order (as for DDP).
+    ``guard``: the divergence guard of that Allreduce; ``momentum``: ``"average"`` (each
+    rank's momentum becomes the averaged one, 1-bit Adam's way), ``"local"`` (each rank
+    keeps its own; error feedback carries what was not sent) or ``"auto"``: local for a
+    sparse codec (top-k), average for the others. All parameters must be on every rank
+    in the same order (as for DDP).
     """
 
     def __init__(self, params: Iterable[Any], comm: Any = None, *, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.01, warmup_steps: int = DEFAULT_WARMUP,
-                 compressor: Any = "onebit", guard: bool = True, **options: Any) -> None:
+                 compressor: Any = "onebit", guard: bool = True, momentum: str = "auto",
+                 **options: Any) -> None:
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or \
                 warmup_steps < 1:
             raise ConfigError(f"warmup_steps must be an int >= 1 (the variance is frozen "
                               f"after it), got {warmup_steps!r}")
         if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
             raise ConfigError(f"betas must be in [0, 1), got {betas!r}")
+        if momentum not in ("auto", "local", "average"):
+            raise ConfigError(f"momentum must be 'auto', 'local' or 'average', got "
+                              f"{momentum!r}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.warmup_steps = warmup_steps
         self.comm = comm
@@ -94,8 +101,8 @@ class OneBitAdam(torch.optim.Optimizer):
         #: momentum, whose preconditioned value error feedback accumulates until it is
         #: sent; the other codecs (1-bit, random-k's rescaled sample, ...) replace the
         #: momentum by the average (bench/RESULTS.md, issue 13: each measured better)
-        self.local = self.allreduce.compressor is not None and \
-            self.allreduce.compressor.sparse
+        self.local = momentum == "local" or (momentum == "auto" and self.allreduce.compressor
+                                             is not None and self.allreduce.compressor.sparse)
         self.steps = 0
         self.hooked = False          # set by onebit_adam_hook: DDP averages the warm-up
         #: ``bytes_sent`` by this optimizer's own reductions (a transport shared with

@@ -135,3 +135,11 @@ def test_the_codecs_get_the_hooks_measured_defaults():
     assert OneBitAdam([w], comm=None, compressor="randomk", ratio=0.5) \
         .allreduce.compressor.get_config()["ratio"] == 0.5
     assert OneBitAdam([w], comm=None, compressor="topk").local
+
+
+def test_momentum_option():
+    w = torch.nn.Parameter(torch.ones(2))
+    assert not OneBitAdam([w], comm=None, compressor="topk", momentum="average").local
+    assert OneBitAdam([w], comm=None, compressor="onebit", momentum="local").local
+    with pytest.raises(ConfigError):
+        OneBitAdam([w], comm=None, momentum="both")

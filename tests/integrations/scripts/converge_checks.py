@@ -11,6 +11,9 @@ Checks (each appends to ``errors`` instead of stopping the others):
   ``guard=False`` (the planted fault) every later step is NaN: both are reported.
 * ``train=STEPS@CODEC[:opt=v;...],...``: every codec with its defaults trains a small teacher-student task; the final
   loss of each variant is reported next to the uncompressed one (the test judges it).
+* ``adam=STEPS@CODEC,...``: the same task with AdamW: uncompressed, each codec through
+  ``OneBitAdam(compressor=CODEC)`` (20 dense steps) and, for comparison, through the hook
+  (``make_comm_hook(CODEC)``, key ``hook:CODEC``); final losses reported.
 
 Each rank prints ``RESULT {"rank": r, "errors": [...], "info": {...}}``.
 """
@@ -100,6 +103,51 @@ def train(codec, options: dict, steps: int, lr: float = 0.1, nan_step: int = -1,
             "resets": stats.get("guard_resets"), "nonfinite": stats.get("guard_nonfinite")}
 
 
+def train_adam(codec: str | None, steps: int, route: str = "onebitadam", lr: float = 0.01,
+               batch: int = 32, warmup: int = 20) -> float:
+    """AdamW on the teacher task: uncompressed (``codec`` None), through ``OneBitAdam``
+    (``route="onebitadam"``) or through the hook (``route="hook"``); the final loss."""
+    from gradcomm.integrations.onebit_adam import OneBitAdam, onebit_adam_hook
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = teacher_data()
+    model = student()
+    ddp = DDP(model)
+    state = None
+    if codec is not None and route == "onebitadam":
+        opt: torch.optim.Optimizer = OneBitAdam(ddp.parameters(), lr=lr, compressor=codec,
+                                                warmup_steps=warmup)
+        ddp.register_comm_hook(opt, onebit_adam_hook)
+    else:
+        opt = torch.optim.AdamW(ddp.parameters(), lr=lr)
+        if codec is not None:
+            state, hook = make_comm_hook(codec, model=ddp)
+            ddp.register_comm_hook(state, hook)
+    lossf = nn.CrossEntropyLoss()
+    g = torch.Generator().manual_seed(7)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)      # the hook's Adam advice
+            for _ in range(steps):
+                idx = torch.randint(0, len(x), (world, batch), generator=g)[rank]
+                opt.zero_grad(set_to_none=True)
+                lossf(ddp(x[idx]), y[idx]).backward()
+                opt.step()
+        with torch.no_grad():
+            return float(lossf(model(x), y))
+    finally:
+        if state is not None:
+            state.close()
+
+
+def check_adam(codecs: list[str], steps: int) -> None:
+    out = {"none": train_adam(None, steps), "initial": initial_loss()}
+    for codec in codecs:
+        out[codec] = train_adam(codec, steps)
+        out["hook:" + codec] = train_adam(codec, steps, route="hook")
+    INFO["adam"] = out
+
+
 def check_nan() -> None:
     out = {}
     for codec, options in NAN_CODECS.items():
@@ -140,6 +188,9 @@ def main(argv: list[str]) -> None:
         for name in argv:
             if name == "nan":
                 check_nan()
+            elif name.startswith("adam="):
+                steps, _, codecs = name[len("adam="):].partition("@")
+                check_adam(codecs.split(","), int(steps))
             elif name.startswith("train="):
                 spec = name[len("train="):]
                 steps, _, codecs = spec.partition("@")

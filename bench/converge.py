@@ -62,6 +62,10 @@ def residual_norm(state: Any) -> float:
     return math.sqrt(state.residuals.sq_norm())
 
 
+#: the tensors of this rank's last collective (see rank_main's end)
+_HELD: list[Any] = []
+
+
 def train_one(v: dict[str, Any], task: str, optim: str, data: Any, args: argparse.Namespace,
               rank: int, world: int) -> dict[str, Any]:
     import numpy as np
@@ -143,11 +147,13 @@ def train_one(v: dict[str, Any], task: str, optim: str, data: Any, args: argpars
             state.close()
     nparams = sum(p.numel() for p in model.parameters())
     ring = 2 * (world - 1) / world            # the library's dense steps, ring-equivalent
-    local = {"t": statistics.fmean(times[len(times) // 10:]),
-             "sent": (stats.get("bytes_sent", 0) + ring * stats.get("native_nbytes", 0))
-             / steps}
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, local)
+    mine = torch.tensor([statistics.fmean(times[len(times) // 10:]),
+                         (stats.get("bytes_sent", 0) + ring * stats.get("native_nbytes", 0))
+                         / steps], dtype=torch.float64)
+    parts = [torch.empty(2, dtype=torch.float64) for _ in range(world)]
+    dist.all_gather(parts, mine)
+    _HELD[:] = [mine, *parts]      # rank_main waits for gloo to let go of them at the end
+    gathered = [{"t": float(q[0]), "sent": float(q[1])} for q in parts]
     final = curve[-1]
     diverged = not math.isfinite(final[2]) or final[2] > curve[0][2]
     return {"variant": v["label"], "task": task, "optim": optim, "p": world, "steps": steps,
@@ -184,6 +190,8 @@ def rank_main(args: argparse.Namespace) -> int:
             with open(args.out, "w") as f:
                 json.dump({"load": os.getloadavg()[0], "rows": rows}, f)
         dist.barrier()
+        from gradcomm.integrations.ddp.lifecycle import wait_released
+        wait_released(*_HELD)          # before Python frees them (an exit abort otherwise)
     finally:
         dist.destroy_process_group()
     return 0

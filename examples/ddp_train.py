@@ -29,6 +29,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradcomm.integrations.ddp import make_comm_hook
+from gradcomm.integrations.ddp.lifecycle import wait_released
 
 from _data import load_data  # examples/_data.py
 
@@ -156,6 +157,7 @@ def main() -> None:
             "accuracy": accuracy, "bytes_sent": int(sent), "native_nbytes": int(native),
             "device": args.device,
             "seconds": round(time.perf_counter() - began, 2)}), flush=True)
+    wait_released(total, sent, native)  # gloo lets go of the last collectives' tensors
     dist.destroy_process_group()     # also closes the hook's state (state.close())
 
 

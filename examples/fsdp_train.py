@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from gradcomm.error_feedback import torch_safe_globals
+from gradcomm.integrations.ddp.lifecycle import wait_released
 from gradcomm.integrations.fsdp import compress_fsdp
 
 from _data import load_data  # examples/_data.py
@@ -111,6 +112,7 @@ def main() -> None:
             "accuracy": accuracy, "bytes_sent": int(sent),
             "seconds": round(time.perf_counter() - began, 2)}), flush=True)
     dist.barrier()              # nobody tears gloo down while a peer still uses it
+    wait_released(total, sent)  # gloo lets go of the last collectives' tensors first
     dist.destroy_process_group()
 
 

@@ -78,6 +78,34 @@ def destroy_group(group: Any) -> None:
     (_original or dist.destroy_process_group)(group)
 
 
+def wait_released(*tensors: Any, timeout: float = 10.0) -> bool:
+    """Wait until torch.distributed holds none of ``tensors`` any more (each tensor's
+    reference count is down to the caller's own); True if it is, False at ``timeout``.
+
+    Call it on the tensors of a script's last collectives, after its final barrier and
+    before the script ends. gloo's worker threads keep a finished collective's work, and
+    its tensors, for a moment after ``wait()`` returns; a barrier keeps the works still
+    running when it started. If the last of those references goes while Python is
+    shutting down, the worker must take the GIL to free the tensor's Python object, and
+    the process aborts ("terminate called without an active exception"; a torch issue,
+    seen on loaded machines: bench/RESULTS.md, "Exit aborts"). Waiting here, while the
+    caller still holds the tensors, lets that last reference go first.
+
+    Example:
+        >>> import torch
+        >>> wait_released(torch.ones(3))
+        True
+    """
+    import time
+
+    deadline = time.monotonic() + timeout
+    while any(t._use_count() > 1 for t in tensors):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
 def _install() -> None:
     global _installed, _original
     with _LOCK:
@@ -103,4 +131,4 @@ def _install() -> None:
     dist.destroy_process_group = destroy_process_group
 
 
-__all__ = ["close_all", "close_using", "destroy_group", "forget", "register"]
+__all__ = ["close_all", "close_using", "destroy_group", "forget", "register", "wait_released"]

@@ -84,7 +84,7 @@ def train_one(v: dict[str, Any], task: str, optim: str, data: Any, args: argpars
     if v["kind"] == "gc" and v["codec"] == "onebitadam":     # the optimizer wrapper
         from gradcomm.integrations.onebit_adam import OneBitAdam, onebit_adam_hook
 
-        o = dict(v["options"])
+        o = {k: None if val == "none" else val for k, val in v["options"].items()}
         opt = OneBitAdam(ddp.parameters(), lr=args.adamw_lr,
                          warmup_steps=int(o.pop("warmup", 100)), **o)
         ddp.register_comm_hook(opt, onebit_adam_hook)

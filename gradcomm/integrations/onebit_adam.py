@@ -16,6 +16,14 @@ codec's noise where ``v`` is small. 1-bit Adam instead
    ``v = 0``: 1-bit's reconstruction of their zero momentum, divided by ``eps``, is huge;
 3. updates ``p -= lr (m / (sqrt(v) + eps) + weight_decay p)`` (decoupled decay).
 
+The frozen ``v`` has one floor: a coordinate whose gradient was 0 through the warm-up (a
+unit that never fired) has ``v = 0``, and when it wakes, ``m / eps`` is ~1e5 times an
+Adam step; one such coordinate killed the network on the synthetic task (loss 11, then
+chance; bench/RESULTS.md, issue 13). Adam itself keeps ``v >= (1 - b2) g**2``, so each
+compressed step raises the frozen ``v`` to that bound where the rank's gradient passes
+it (``max``, nowhere else: the ranks' ``v`` may then differ, which the preconditioning
+before the codec allows).
+
 Any codec can carry the momentum (``compressor=``, with the DDP hook's defaults for
 random-k's ratio and PowerSGD's rank). A dense reconstruction (1-bit, int8, TernGrad,
 random-k's rescaled sample) replaces each rank's momentum. Top-k's is mostly zeros, and
@@ -23,7 +31,9 @@ replacing the momentum with it would wipe out what was not sent. So for a sparse
 (``Compressor.sparse``) each rank keeps its own momentum, error feedback accumulates its
 preconditioned value step after step until it is sent, and the update is the average
 itself: each gradient still enters the updates with its whole weight, as in Adam, only
-later.
+later. Top-k below 1 % first runs DGC's sparsity ramp (``ramp``, :data:`DEFAULT_RAMP`
+steps per stage at 25 %, 6.25 %, 1.6 %, 0.4 %): without it, 0.1 % held the first
+compressed steps' mass back until it was stale and lost 2.6 to 3.7 points at p = 4.
 
 Use it with DDP by registering :func:`onebit_adam_hook` with the optimizer as its state:
 during the warm-up the hook averages the gradients (gloo/NCCL's own allreduce), after it
@@ -58,10 +68,14 @@ import torch
 
 from .._allreduce import Allreduce
 from ..errors import ConfigError
-from .ddp.defaults import default_options
+from .ddp.defaults import default_options, default_ramp
+from .ddp.ramp import SparsityRamp
 
 #: default warm-up (dense Adam) steps; measured in bench/converge.py (bench/RESULTS.md)
 DEFAULT_WARMUP = 100
+#: ``ramp="auto"``'s steps per sparsity stage for top-k below 1 % (25 and 50 fell short
+#: of uncompressed AdamW at p = 4 on the synthetic task: bench/RESULTS.md, issue 13)
+DEFAULT_RAMP = 75
 
 
 class OneBitAdam(torch.optim.Optimizer):
@@ -72,15 +86,19 @@ class OneBitAdam(torch.optim.Optimizer):
     ``guard``: the divergence guard of that Allreduce; ``momentum``: ``"average"`` (each
     rank's momentum becomes the averaged one, 1-bit Adam's way), ``"local"`` (each rank
     keeps its own; error feedback carries what was not sent) or ``"auto"``: local for a
-    sparse codec (top-k), average for the others. All parameters must be on every rank
-    in the same order (as for DDP).
+    sparse codec (top-k), average for the others. ``ramp``: steps per stage of DGC's
+    sparsity warm-up after the dense steps (:class:`~.ddp.ramp.SparsityRamp`: a
+    ``ratio=`` sparsifier sends 25 %, 6.25 %, 1.6 %, 0.4 % before its own ratio; the
+    stages share the residuals), None for none, or ``"auto"``: :data:`DEFAULT_RAMP` for
+    top-k below 1 %, else none. All parameters must be on every rank in the same order
+    (as for DDP).
     """
 
     def __init__(self, params: Iterable[Any], comm: Any = None, *, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.01, warmup_steps: int = DEFAULT_WARMUP,
                  compressor: Any = "onebit", guard: bool = True, momentum: str = "auto",
-                 **options: Any) -> None:
+                 ramp: int | None | str = "auto", **options: Any) -> None:
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or \
                 warmup_steps < 1:
             raise ConfigError(f"warmup_steps must be an int >= 1 (the variance is frozen "
@@ -97,6 +115,13 @@ class OneBitAdam(torch.optim.Optimizer):
                                    error_feedback=True, guard=guard,
                                    **default_options(compressor, options))
         self.dense = Allreduce(comm, op="mean")
+        target = self.allreduce.compressor
+        if ramp == "auto":
+            ramp = DEFAULT_RAMP if default_ramp(target) is not None else None
+        #: the sparsity warm-up's codecs by step (None: the target codec throughout)
+        self.ramp = None if ramp is None else SparsityRamp(target, ramp, warmup_steps)
+        #: each ramp stage's Allreduce, sharing the target's residuals and guard
+        self._stages: dict[int, Allreduce] = {}
         #: a sparse codec (top-k: ``Compressor.sparse``): each rank keeps its own
         #: momentum, whose preconditioned value error feedback accumulates until it is
         #: sent; the other codecs (1-bit, random-k's rescaled sample, ...) replace the
@@ -144,20 +169,21 @@ class OneBitAdam(torch.optim.Optimizer):
             st["exp_avg"].mul_(b1).add_(gi, alpha=1 - b1)
             if not compressing:
                 st["exp_avg_sq"].mul_(b2).addcmul_(gi, gi, value=1 - b2)
+            else:       # frozen, but never below Adam's floor for this gradient
+                torch.maximum(st["exp_avg_sq"], gi * gi * (1 - b2), out=st["exp_avg_sq"])
             ms.append(st["exp_avg"])
             denoms.append((st["exp_avg_sq"] / (1 - b2 ** t)).sqrt_().add_(group["eps"]))
             offset += n
         updates = None
         if compressing:     # average the local momenta, preconditioned, through the codec
-            z = self._reduce(self.allreduce, torch.cat([m / d for m, d in zip(ms, denoms)]),
-                             key="momentum")
-            offset, updates = 0, ([] if self.local else None)
+            z = self._reduce(self._codec_allreduce(),
+                             torch.cat([m / d for m, d in zip(ms, denoms)]), key="momentum")
+            offset, updates = 0, []
             for mi, d in zip(ms, denoms):
                 zi = z[offset:offset + mi.numel()]
                 offset += mi.numel()
-                if self.local:          # the rank's own momentum stays as it is
-                    updates.append(zi)   # type: ignore[union-attr]
-                else:
+                updates.append(zi)      # the same bytes on every rank (their v may differ)
+                if not self.local:      # else the rank's own momentum stays as it is
                     mi.copy_(zi * d)
         self.steps += 1
         for i, (p, mi, d) in enumerate(zip(params, ms, denoms)):
@@ -169,6 +195,18 @@ class OneBitAdam(torch.optim.Optimizer):
                 1 - b1 ** self.steps)
             p.add_(step.view_as(p).to(p.dtype), alpha=-group["lr"])
         return loss
+
+    def _codec_allreduce(self) -> Allreduce:
+        """The Allreduce of this step's codec: the ramp's stage, or the target's."""
+        codec = self.allreduce.compressor if self.ramp is None else \
+            self.ramp.codec(self.steps)
+        if codec is self.allreduce.compressor:
+            return self.allreduce
+        ar = self._stages.get(id(codec))
+        if ar is None:
+            ar = self._stages[id(codec)] = Allreduce(self.comm, op="mean", compressor=codec)
+            ar.error_feedback, ar.guard = self.allreduce.error_feedback, self.allreduce.guard
+        return ar
 
     def _group(self, p: Any) -> dict[str, Any]:
         for group in self.param_groups:
@@ -218,4 +256,4 @@ def onebit_adam_hook(opt: OneBitAdam, bucket):  # type: ignore[no-untyped-def]
     return dist.all_reduce(buf, async_op=True).get_future().then(lambda f: f.value()[0])
 
 
-__all__ = ["DEFAULT_WARMUP", "OneBitAdam", "onebit_adam_hook"]
+__all__ = ["DEFAULT_RAMP", "DEFAULT_WARMUP", "OneBitAdam", "onebit_adam_hook"]

@@ -248,23 +248,33 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     cols = min(4, len(cells))
     nrows = (len(cells) + cols - 1) // cols
     fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.4 * nrows), squeeze=False)
+    # one colour per variant in every cell, and one legend entry each
+    names = list(dict.fromkeys(r["variant"] for r in rows if r["variant"] != "ddp"))
+    cmap = plt.get_cmap("tab20")
+    colour = {v: cmap(i % 20) for i, v in enumerate(names)}
+    colour["ddp"] = "k"
+    lines: dict[str, Any] = {}
     for ax, cell in zip(axes.flat, cells):
+        ref = 100.0
         for r in rows:
             if (r["task"], r["optim"], r["p"]) == cell:
                 s = [c[0] for c in r["curve"]]
                 a = [100 * c[1] for c in r["curve"]]
-                ax.plot(s, a, label=r["variant"].replace("gc-", ""),
-                        lw=2.2 if r["variant"] == "ddp" else 1.0,
-                        color="k" if r["variant"] == "ddp" else None)
+                lines[r["variant"]], = ax.plot(
+                    s, a, label=r["variant"].replace("gc-", ""), color=colour[r["variant"]],
+                    lw=2.2 if r["variant"] == "ddp" else 1.0)
+                if r["variant"] == "ddp":
+                    ref = a[-1]
         ax.set_title("%s, %s, p=%d" % cell, fontsize=9)
         ax.set_xlabel("step", fontsize=8)
         ax.set_ylabel("test accuracy %", fontsize=8)
-        ax.set_ylim(0, 100)
+        ax.set_ylim(max(0.0, ref - 20.0), 100)     # the last points, where the gaps are
         ax.tick_params(labelsize=7)
     for ax in list(axes.flat)[len(cells):]:
         ax.axis("off")
-    handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=min(6, len(labels)), fontsize=7)
+    order = [v for v in ["ddp", *names] if v in lines]
+    fig.legend([lines[v] for v in order], [v.replace("gc-", "") for v in order],
+               loc="lower center", ncol=min(6, len(order)), fontsize=7)
     fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path, dpi=110)
 

@@ -81,19 +81,18 @@ def train_one(v: dict[str, Any], task: str, optim: str, data: Any, args: argpars
     else:
         opt = torch.optim.AdamW(ddp.parameters(), lr=args.adamw_lr)
     state: Any = None
+    # an option's value "none" is None (clip=none, ramp=none: off)
+    kw: dict[str, Any] = {k: None if val == "none" else val for k, val in v["options"].items()}
     if v["kind"] == "gc" and v["codec"] == "onebitadam":     # the optimizer wrapper
         from gradcomm.integrations.onebit_adam import OneBitAdam, onebit_adam_hook
 
-        o = {k: None if val == "none" else val for k, val in v["options"].items()}
         opt = OneBitAdam(ddp.parameters(), lr=args.adamw_lr,
-                         warmup_steps=int(o.pop("warmup", 100)), **o)
+                         warmup_steps=int(kw.pop("warmup", 100)), **kw)
         ddp.register_comm_hook(opt, onebit_adam_hook)
     elif v["kind"] == "gc":
         from gradcomm.integrations.ddp import make_comm_hook
 
         codec = None if v["codec"] == "none" else v["codec"]
-        kw: dict[str, Any] = {k: None if val == "none" else val        # clip=none: off
-                              for k, val in v["options"].items()}
         if codec is not None:
             kw["error_feedback"] = v["ef"]
         if kw.pop("opt", 0):

@@ -170,7 +170,8 @@ class OneBitAdam(torch.optim.Optimizer):
             if not compressing:
                 st["exp_avg_sq"].mul_(b2).addcmul_(gi, gi, value=1 - b2)
             else:       # frozen, but never below Adam's floor for this gradient
-                torch.maximum(st["exp_avg_sq"], gi * gi * (1 - b2), out=st["exp_avg_sq"])
+                torch.maximum(st["exp_avg_sq"], torch.mul(gi, gi).mul_(1 - b2),
+                              out=st["exp_avg_sq"])
             ms.append(st["exp_avg"])
             denoms.append((st["exp_avg_sq"] / (1 - b2 ** t)).sqrt_().add_(group["eps"]))
             offset += n

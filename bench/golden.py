@@ -288,8 +288,12 @@ def _ddp() -> dict[str, str]:
             net = nn.Sequential(nn.Linear(40, 64), nn.ReLU(), nn.Linear(64, 33),
                                 nn.ReLU(), nn.Linear(33, 5))
             model = DDP(net, bucket_cap_mb=0.01)
+            # top-k and random-k compressed from the first step, as recorded (their
+            # start_iter="auto" is 150 dense steps; PowerSGD's four steps were recorded
+            # within its dense warm-up)
+            first = {"start_iter": 0} if name in ("topk", "randomk") else {}
             state, hook = make_comm_hook(None if name == "none" else name, algorithm=algo,
-                                         model=model, seed=5, **opts)
+                                         model=model, seed=5, **first, **opts)
             model.register_comm_hook(state, hook)
             states.append(state)
             opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)

@@ -46,7 +46,8 @@ def _fsdp(t, codec, opts, alg, x):
 
 
 def _ddp(t, codec, opts, x):
-    state, _ = make_comm_hook(codec, transport=t, **opts)
+    # every call compressed (not start_iter="auto"'s dense warm-up): the same work as fsdp's
+    state, _ = make_comm_hook(codec, transport=t, **{"start_iter": 0, **opts})
     n = x.numel()
 
     def call():

@@ -163,8 +163,10 @@ def trip(cfg: str) -> dict:
     hidden = [m for _ in range(layers - 1) for m in (nn.Linear(64, 64), nn.ReLU())]
     net = nn.Sequential(*hidden, nn.Linear(64, 4))
     model = DDP(net, bucket_cap_mb=25)
+    # the bucket compressed from the first step (not after start_iter="auto"'s dense warm-up)
     state, hook = make_comm_hook(None if codec == "none" else codec,
-                                 algorithm=algorithm or "auto", model=model, **options)
+                                 algorithm=algorithm or "auto", model=model,
+                                 **{"start_iter": 0, **options})
     model.register_comm_hook(state, hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     LOG.update(seq=[], files=set(), data=set(), climbs=[], spine=set(), spine_max=0,

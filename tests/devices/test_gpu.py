@@ -391,7 +391,7 @@ def test_ddp_hook_on_the_device(place, compressor):
         ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 2)).to(dev)
         model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 2)).to(dev))
         model.module.load_state_dict(ref.state_dict())
-        state, hook = make_comm_hook(compressor, model=model)
+        state, hook = make_comm_hook(compressor, model=model, start_iter=0)
         model.register_comm_hook(state, hook)
         for _ in range(3):
             x = torch.randn(5, 8, device=dev)

@@ -10,7 +10,8 @@ timed: these are about where training ends, not how fast.
   fail.
 * A small teacher-student task (cross-entropy; uncompressed 0.68 after 120 steps, 1.38
   at the start), SGD with momentum 0.9, lr 0.1, 2 ranks: every codec with the defaults
-  of ``make_comm_hook(name)`` (nothing passed: the hook finds the SGD optimizer at its
+  of ``make_comm_hook(name)`` (but the dense warm-up, see ``W0``; otherwise nothing
+  passed: the hook finds the SGD optimizer at its
   first ``step()`` and turns on momentum correction for topk, randomk and onebit, and
   keeps TernGrad's error feedback) ends within ``TIGHT`` = 0.05 of the uncompressed loss
   (fp16, bf16, int8, qsgd, terngrad, top-k 1 %, powersgd: rank 4 after 50 dense steps,
@@ -44,14 +45,20 @@ from tests._launch import torchrun  # noqa: E402
 CHECKS = Path(__file__).parent / "scripts" / "converge_checks.py"
 #: final loss (cross-entropy on the whole task) at most this above the uncompressed one
 TIGHT, LOOSE = 0.05, 0.2
-CLOSE = {"fp16": TIGHT, "bf16": TIGHT, "int8": TIGHT, "qsgd": TIGHT, "topk": TIGHT,
-         "terngrad": TIGHT, "powersgd": TIGHT, "onebit": LOOSE, "randomk": LOOSE,
-         "topk:ratio=0.001": TIGHT, "topk:ratio=0.001;start_iter=0": TIGHT}
-CODECS = ("fp16", "bf16", "int8", "qsgd", "terngrad", "powersgd", "topk", "onebit",
-          "randomk", "topk:ratio=0.001", "topk:ratio=0.001;start_iter=0",
-          "topk:ratio=0.001;ramp=null;start_iter=0",
-          "topk:ef=0", "randomk:ratio=0.01", "randomk:ratio=0.01;mc=0", "randomk:mc=0",
-          "onebit:mc=0", "topk:mc=0", "terngrad:ef=0")
+#: the dense warm-up of ``start_iter="auto"`` (150 steps for topk, randomk and powersgd) is
+#: longer than these runs: those codecs start compressing where the checks were measured
+#: (from the first step; PowerSGD after 50, its earlier default; top-k 0.1 % after 100,
+#: then its ramp)
+W0, W50, W100 = "start_iter=0", "start_iter=50", "start_iter=100"
+CLOSE = {"fp16": TIGHT, "bf16": TIGHT, "int8": TIGHT, "qsgd": TIGHT, f"topk:{W0}": TIGHT,
+         "terngrad": TIGHT, f"powersgd:{W50}": TIGHT, "onebit": LOOSE,
+         f"randomk:{W0}": LOOSE, f"topk:ratio=0.001;{W100}": TIGHT,
+         f"topk:ratio=0.001;{W0}": TIGHT}
+CODECS = ("fp16", "bf16", "int8", "qsgd", "terngrad", f"powersgd:{W50}", f"topk:{W0}",
+          "onebit", f"randomk:{W0}", f"topk:ratio=0.001;{W100}", f"topk:ratio=0.001;{W0}",
+          f"topk:ratio=0.001;ramp=null;{W0}",
+          f"topk:ef=0;{W0}", f"randomk:ratio=0.01;{W0}", f"randomk:ratio=0.01;mc=0;{W0}",
+          f"randomk:mc=0;{W0}", "onebit:mc=0", f"topk:mc=0;{W0}", "terngrad:ef=0")
 
 
 @pytest.mark.timeout(200)
@@ -81,24 +88,25 @@ def test_every_codec_trains_to_the_uncompressed_loss_and_none_diverges():
         assert math.isfinite(loss[name]) and loss[name] < initial, (name, loss)
         if name in CLOSE:
             assert loss[name] <= ref + CLOSE[name], (name, loss)
-    assert loss["topk"] < loss["topk:ef=0"], loss
-    assert loss["topk"] < loss["topk:mc=0"], loss
+    assert loss[f"topk:{W0}"] < loss[f"topk:ef=0;{W0}"], loss
+    assert loss[f"topk:{W0}"] < loss[f"topk:mc=0;{W0}"], loss
     assert loss["terngrad"] < loss["terngrad:ef=0"], loss
-    assert loss["topk:ratio=0.001;start_iter=0"] < \
-        loss["topk:ratio=0.001;ramp=null;start_iter=0"], loss
+    assert loss[f"topk:ratio=0.001;{W0}"] < loss[f"topk:ratio=0.001;ramp=null;{W0}"], loss
 
 
 ADAM_CODECS = ("onebit", "topk", "randomk", "terngrad")
 
 
 @pytest.mark.timeout(300)
-def test_with_adamw_every_codec_trains_through_onebitadam_better_than_through_the_hook():
+def test_with_adamw_every_codec_trains_through_onebitadam():
     """Adam's route (issue 13): ``OneBitAdam(compressor=name)`` (20 dense steps, then the
     preconditioned momentum through the codec) on the same task with AdamW (lr 0.01, 150
     steps, 2 ranks; uncompressed 0.57): every codec ends within ``LOOSE`` of the
-    uncompressed loss (onebit +0.00, topk +0.11, randomk +0.09, terngrad +0.06), and for
-    the codecs whose hook compression costs Adam the most (onebit, topk, randomk: +0.12,
-    +0.13, +0.18 through ``make_comm_hook``) the optimizer route ends lower."""
+    uncompressed loss (onebit -0.00, topk +0.07, randomk +0.02, terngrad -0.01). Through
+    the hook with as many dense steps (``start_iter=20``) onebit ends +0.06 and randomk
+    +0.17: the optimizer route ends lower for both. Top-k 1 % through the hook ends +0.05
+    on this small task, so it is held to ``LOOSE`` only here (bench/RESULTS.md has the
+    benchmark's figures)."""
     results = torchrun(CHECKS, 2, "adam=150@" + ",".join(ADAM_CODECS), timeout=290)
     losses = results.clean_results(2)
     assert losses[0]["info"] == losses[1]["info"]
@@ -106,5 +114,6 @@ def test_with_adamw_every_codec_trains_through_onebitadam_better_than_through_th
     ref, initial = loss["none"], loss["initial"]
     for codec in ADAM_CODECS:
         assert math.isfinite(loss[codec]) and loss[codec] <= ref + LOOSE, (codec, loss)
-    for codec in ("onebit", "topk", "randomk"):
+    for codec in ("onebit", "randomk"):
         assert loss[codec] < loss["hook:" + codec] < initial, (codec, loss)
+    assert loss["hook:topk"] <= ref + LOOSE, loss

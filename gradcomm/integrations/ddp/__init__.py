@@ -75,14 +75,15 @@ only device buffers are refused: pass a gloo group or ``transport="mpi"``.
 **Convergence** (issue 13; measured by ``bench/converge.py``, in bench/RESULTS.md).
 ``make_comm_hook(name, optimizer=opt)`` turns on DGC's momentum correction for topk,
 randomk and onebit (:mod:`.momentum`), which top-k and 1-bit need to match uncompressed
-SGD with momentum; top-k below 1 % ramps its sparsity after its dense warm-up
+SGD with momentum; topk, randomk and powersgd run 150 dense steps first (``start_iter``,
+:data:`.defaults.DENSE_WARMUP`); top-k below 1 % then ramps its sparsity
 (``ramp``, :mod:`.ramp`, DGC's exponential warm-up); random-k defaults to ratio 0.25 and
 is clipped (``clip``) so that it cannot diverge; the divergence guard (``guard``, on by
 default) keeps one non-finite step from poisoning the residuals; for Adam,
 :mod:`gradcomm.integrations.onebit_adam`.
 
-Tuning: ``start_iter`` of a few hundred steps lets the model leave the first,
-fast-changing phase uncompressed (PowerSGD does the same); on gloo every message costs
+Tuning: a longer ``start_iter`` leaves more of the first, fast-changing phase
+uncompressed, for other codecs too; on gloo every message costs
 milliseconds, so prefer few, large buckets (``bucket_cap_mb``) and an algorithm with few
 rounds; under ``mpirun`` pass ``transport="mpi"`` (microseconds per message).
 

@@ -42,8 +42,12 @@ def make_comm_hook(compressor: Any = None, *, algorithm: str = "auto",
             (``MPI.COMM_WORLD``, for jobs started with mpirun), an mpi4py communicator or a
             gradcomm Transport.
         start_iter: backward passes to run uncompressed first; ``"auto"``:
-            :data:`~.defaults.SPARSE_WARMUP` (100) for topk and randomk below 1 % (they
-            cost 100 dense steps' bytes), 50 for ``powersgd``, else 0.
+            :data:`~.defaults.DENSE_WARMUP` (150) for ``topk``, ``randomk`` and
+            ``powersgd``, else 0. Their compressed updates lag the gradient (error
+            feedback holds mass back), which costs most in the first, fast-changing
+            steps: random-k 25 % without the dense steps ended 5.8 points below
+            uncompressed in a 450-step run, 0.8 with them (bench/RESULTS.md). The
+            dense steps cost dense bytes: 1.5 % of a 10^4-step run.
         ramp: **DGC's sparsity warm-up** (:mod:`.ramp`): steps per stage of densities
             25 %, 6.25 %, 1.5625 %, 0.39 % before the codec's own ratio (stages not
             above it are skipped), from ``start_iter`` on; ``"auto"``:
@@ -95,7 +99,8 @@ def make_comm_hook(compressor: Any = None, *, algorithm: str = "auto",
 
     Convergence (bench/converge.py, bench/RESULTS.md): the defaults find the optimizer
     (momentum correction for topk, randomk and onebit with SGD; TernGrad's error feedback
-    with SGD only); top-k below 1 % ramps its sparsity after its dense steps; random-k
+    with SGD only); topk, randomk and powersgd run 150 dense steps first, and top-k below
+    1 % then ramps its sparsity; random-k
     defaults to 25 %. With
     Adam/AdamW the hook compresses Adam's gradients, which costs points for the
     sparsifiers, onebit and TernGrad (it warns when it finds the optimizer): use

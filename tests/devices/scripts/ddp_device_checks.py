@@ -29,7 +29,7 @@ from gradcomm.integrations import ddp as ddp_hook
 from gradcomm.integrations.ddp import groups as ddp_groups
 
 #: codecs checked, with options that keep a small model's buckets meaningful
-CODECS = {"int8": {"bits": 4}, "onebit": {}, "topk": {"ratio": 0.1}, "fp16": {}}
+CODECS = {"int8": {"bits": 4}, "onebit": {}, "topk": {"ratio": 0.1, "start_iter": 0}, "fp16": {}}
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 

@@ -100,8 +100,9 @@ def one_rank(fn):
     return run_ranks(1, fn, timeout=30)[0]
 
 
-def test_sparsifiers_below_one_percent_and_powersgd_warm_up_by_default():
-    # top-k below 1 %: DGC's sparsity ramp after the dense steps (test_ddp_ramp.py)
+def test_sparsifiers_and_powersgd_warm_up_by_default():
+    # 150 dense steps for topk, randomk and powersgd; top-k below 1 % then DGC's sparsity
+    # ramp (test_ddp_ramp.py)
     def fn(t):
         got = []
         for codec, kw in (("topk", {"ratio": 0.001}), ("randomk", {"ratio": 0.005}),
@@ -118,7 +119,7 @@ def test_sparsifiers_below_one_percent_and_powersgd_warm_up_by_default():
         with pytest.raises(ConfigError, match="start_iter"):
             ddp.make_comm_hook("topk", start_iter="later", transport=t)
         return got
-    assert one_rank(fn) == [(100, "ramp", 25), 100, 0, 0, 0, (0, "ramp", 25), (50, 4),
+    assert one_rank(fn) == [(150, "ramp", 25), 150, 150, 0, 0, (0, "ramp", 25), (150, 4),
                             (0, 1)]
 
 

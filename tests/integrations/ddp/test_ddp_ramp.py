@@ -17,7 +17,7 @@ from gradcomm._plan import Reduction  # noqa: E402
 from gradcomm.comm import run_ranks  # noqa: E402
 from gradcomm.errors import ConfigError  # noqa: E402
 from gradcomm.integrations.ddp import make_comm_hook  # noqa: E402
-from gradcomm.integrations.ddp.defaults import SPARSE_RAMP, SPARSE_WARMUP  # noqa: E402
+from gradcomm.integrations.ddp.defaults import DENSE_WARMUP, SPARSE_RAMP  # noqa: E402
 from gradcomm.integrations.ddp.ramp import DENSITIES, SparsityRamp  # noqa: E402
 from gradcomm.integrations.ddp.residuals import ParameterResiduals  # noqa: E402
 from gradcomm.integrations.ddp.routes import Routes  # noqa: E402
@@ -53,11 +53,16 @@ def _resolved(codec, **kw):
 
 
 def test_top_k_below_one_percent_ramps_after_its_dense_steps_by_default():
-    assert _resolved("topk", ratio=0.001) == (SPARSE_WARMUP, SPARSE_RAMP)
-    assert _resolved("topk", ratio=0.001, ramp=None) == (SPARSE_WARMUP, None)
-    assert _resolved("randomk", ratio=0.001) == (SPARSE_WARMUP, None)
+    assert DENSE_WARMUP == 150
+    assert _resolved("topk", ratio=0.001) == (DENSE_WARMUP, SPARSE_RAMP)
+    assert _resolved("topk", ratio=0.001, ramp=None) == (DENSE_WARMUP, None)
+    assert _resolved("randomk", ratio=0.001) == (DENSE_WARMUP, None)
     assert _resolved("topk", ratio=0.001, ramp=10, start_iter=7) == (7, 10)
-    assert _resolved("topk") == (0, None)
+    assert _resolved("topk") == (DENSE_WARMUP, None)
+    assert _resolved("randomk") == (DENSE_WARMUP, None)
+    assert _resolved("powersgd") == (DENSE_WARMUP, None)
+    assert _resolved("int8") == (0, None)
+    assert _resolved("onebit") == (0, None)
     with pytest.raises(ConfigError):
         _resolved("int8", ramp=10)
 

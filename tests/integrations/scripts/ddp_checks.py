@@ -36,6 +36,9 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 #: options per codec for these checks (ratios high enough for a small model)
 OPTIONS = {"topk": {"ratio": 0.1}, "randomk": {"ratio": 0.1}, "powersgd": {"rank": 2, "start_iter": 0},
            "int8": {"bits": 4}}
+#: the hooks here compress from the first step, not after ``start_iter="auto"``'s dense
+#: warm-up (150 steps for topk, randomk and powersgd)
+FIRST = {"start_iter": 0}
 #: bucket_cap_mb giving several buckets for the model below (9412 parameters)
 CAP = 0.01
 ERRORS: list[str] = []
@@ -71,7 +74,7 @@ def hooked(model: nn.Module, compressor=None, group=None, cap: float = CAP, **kw
     ddp = DDP(model, bucket_cap_mb=cap, process_group=group)
     state, hook = make_comm_hook(compressor, transport=TRANSPORT if group is None else None,
                                  process_group=group, model=ddp,
-                                 **{**OPTIONS.get(compressor or "", {}), **kw})
+                                 **{**FIRST, **OPTIONS.get(compressor or "", {}), **kw})
     ddp.register_comm_hook(state, hook)
     return ddp, state
 
@@ -586,7 +589,7 @@ def _exact_case(codec: str, algo: str, ef: bool, steps: int) -> str:
     # collective itself
     state, _ = make_comm_hook(codec, algorithm=algo, error_feedback=ef, model=module,
                               transport=TRANSPORT, clip=None,
-                              **OPTIONS.get(codec, {}))
+                              **{**FIRST, **OPTIONS.get(codec, {})})
     opt = torch.optim.SGD(module.parameters(), lr=0.05)
     ranks = [_RefRank(ef) for _ in range(p)]
     mine = ranks[me]

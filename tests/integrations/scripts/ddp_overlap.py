@@ -73,7 +73,8 @@ def main() -> None:
         layers += [nn.Linear(args.width, args.width), nn.Tanh()]
     x = torch.randn(args.batch, args.width)
     compressor = None if args.compressor == "none" else args.compressor
-    options = {"ratio": 0.01} if compressor in ("topk", "randomk") else {}
+    # compressed from the first step (not after start_iter="auto"'s dense warm-up)
+    options = {"ratio": 0.01, "start_iter": 0} if compressor in ("topk", "randomk") else {}
     out = {}
     for mode, hook in (("local", local_hook), ("blocking", blocking_hook),
                        ("overlapped", comm_hook)):

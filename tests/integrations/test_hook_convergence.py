@@ -15,8 +15,8 @@ timed: these are about where training ends, not how fast.
   first ``step()`` and turns on momentum correction for topk, randomk and onebit, and
   keeps TernGrad's error feedback) ends within ``TIGHT`` = 0.05 of the uncompressed loss
   (fp16, bf16, int8, qsgd, terngrad, top-k 1 %, powersgd: rank 4 after 50 dense steps,
-  0.02 above; rank 1 from the start was 0.09 above; top-k 0.1 % with its defaults, 100
-  dense steps then the sparsity ramp; its ramp from the first step, 0.01 above: without
+  0.02 above; rank 1 from the start was 0.09 above; top-k 0.1 % after 100 dense steps
+  then its sparsity ramp; its ramp from the first step, 0.01 above: without
   the ramp 0.14 above, after 100 dense steps without it 0.06) or ``LOOSE`` = 0.2
   (onebit: 0.07 above; random-k at the hook's default ratio 0.25, clipped at 1 once
   momentum correction is on: 0.03 above (clipped at 0.5 it was 0.09); at 1 %
@@ -98,15 +98,15 @@ ADAM_CODECS = ("onebit", "topk", "randomk", "terngrad")
 
 
 @pytest.mark.timeout(300)
-def test_with_adamw_every_codec_trains_through_onebitadam():
+def test_with_adamw_every_codec_trains_through_onebitadam_better_than_through_the_hook():
     """Adam's route (issue 13): ``OneBitAdam(compressor=name)`` (20 dense steps, then the
     preconditioned momentum through the codec) on the same task with AdamW (lr 0.01, 150
     steps, 2 ranks; uncompressed 0.57): every codec ends within ``LOOSE`` of the
-    uncompressed loss (onebit -0.00, topk +0.07, randomk +0.02, terngrad -0.01). Through
-    the hook with as many dense steps (``start_iter=20``) onebit ends +0.06 and randomk
-    +0.17: the optimizer route ends lower for both. Top-k 1 % through the hook ends +0.05
-    on this small task, so it is held to ``LOOSE`` only here (bench/RESULTS.md has the
-    benchmark's figures)."""
+    uncompressed loss (onebit -0.00, topk +0.07, randomk +0.02, terngrad -0.01), and for
+    the codecs whose hook compression costs Adam the most (onebit, topk, randomk: +0.12,
+    +0.13, +0.18 through ``make_comm_hook`` from the first step, ``start_iter=0``) the
+    optimizer route ends lower. (Given OneBitAdam's 20 dense steps too, the hook's top-k
+    ends +0.05 on this small task; the benchmark's AdamW figures are in bench/RESULTS.md.)"""
     results = torchrun(CHECKS, 2, "adam=150@" + ",".join(ADAM_CODECS), timeout=290)
     losses = results.clean_results(2)
     assert losses[0]["info"] == losses[1]["info"]
@@ -114,6 +114,5 @@ def test_with_adamw_every_codec_trains_through_onebitadam():
     ref, initial = loss["none"], loss["initial"]
     for codec in ADAM_CODECS:
         assert math.isfinite(loss[codec]) and loss[codec] <= ref + LOOSE, (codec, loss)
-    for codec in ("onebit", "randomk"):
+    for codec in ("onebit", "topk", "randomk"):
         assert loss[codec] < loss["hook:" + codec] < initial, (codec, loss)
-    assert loss["hook:topk"] <= ref + LOOSE, loss

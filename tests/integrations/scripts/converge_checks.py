@@ -123,8 +123,8 @@ def train_adam(codec: str | None, steps: int, route: str = "onebitadam", lr: flo
     else:
         opt = torch.optim.AdamW(ddp.parameters(), lr=lr)
         if codec is not None:
-            # as many dense steps as OneBitAdam's warm-up (not start_iter="auto"'s 150)
-            state, hook = make_comm_hook(codec, model=ddp, start_iter=warmup)
+            # compressed from the first step, as measured (not start_iter="auto"'s 150)
+            state, hook = make_comm_hook(codec, model=ddp, start_iter=0)
             ddp.register_comm_hook(state, hook)
     lossf = nn.CrossEntropyLoss()
     g = torch.Generator().manual_seed(7)

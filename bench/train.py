@@ -16,8 +16,10 @@ Variants (``--variants``, comma-separated; options after ``:`` separated by ``;`
   e.g. ``gc-int8``, ``gc-topk:ratio=0.01``; ``ef=0`` turns error feedback off
   (``gc-topk:ratio=0.01;ef=0`` is the ablation that shows why EF exists); ``alg=ring``
   picks the algorithm; ``gc-none`` is gradcomm without compression. ``start_iter``
-  defaults to ``--warmup`` here (the untimed steps run dense, like ``torch-powersgd``'s
-  ``start``), not to the hook's ``"auto"``, so that every timed step is compressed.
+  defaults to 0 here, not to the hook's ``"auto"`` (150 dense steps for topk, randomk and
+  powersgd), so that every step is compressed: the untimed ones absorb what a compressed
+  route does once (numba compiling its kernels into an empty cache, the route's plan, its
+  pieces vote), and every timed step is compressed.
 
 After the main variants (on ``--data``) comes the error-feedback ablation: ``ddp``, top-k
 1 % with and without EF on ``--ablation`` data (default ``synthetic``; ``none`` skips it).
@@ -139,9 +141,9 @@ def train_variant(v: dict[str, Any], args: argparse.Namespace, data, rank: int,
         kw: dict[str, Any] = dict(v["options"])
         if codec is not None:
             kw["error_feedback"] = v["ef"]
-            # the timed steps compressed: the dense warm-up of start_iter="auto" (150 steps
-            # for topk, randomk, powersgd) ends with the untimed steps unless set
-            kw.setdefault("start_iter", args.warmup)
+            # compressed from the first step: the untimed steps then pay the route's
+            # one-time costs (a fresh numba cache compiles there, not in the timed steps)
+            kw.setdefault("start_iter", 0)
         if args.hook_transport == "mpi":
             kw["transport"] = "mpi"
         state, hook = make_comm_hook(codec, algorithm=v["algorithm"], model=ddp, **kw)

@@ -12,7 +12,10 @@ Variants as in ``bench/train.py`` (``ddp`` = DDP's built-in allreduce, the refer
 feedback off, ``opt=1`` passes the optimizer, ``mc=0`` passes ``optimizer=None``: no
 momentum correction and no optimizer watch); every other option after ``:`` goes to
 ``make_comm_hook``, so mechanisms are switched per variant
-(``gc-topk:ratio=0.01;start_iter=0``).
+(``gc-topk:ratio=0.01;start_iter=0``). PyTorch's own hooks are the references:
+``torch-fp16`` (``fp16_compress_hook``) and ``torch-powersgd[:rank=R;start=S]``
+(``powerSGD_hook``, ``start_powerSGD_iter=S``, default 10); their bytes are not counted
+(B/step 0).
 
 Tasks: ``digits`` (scikit-learn's 8x8 digits, 360 test samples) and ``synthetic``
 (``make_classification``, 10 classes, 4800 test samples: one point is 48 samples).
@@ -101,8 +104,21 @@ def train_one(v: dict[str, Any], task: str, optim: str, data: Any, args: argpars
             kw["optimizer"] = None
         state, hook = make_comm_hook(codec, algorithm=v["algorithm"], model=ddp, **kw)
         ddp.register_comm_hook(state, hook)
+    elif v["kind"] == "torch-fp16":            # PyTorch's own hooks, the references
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif v["kind"] == "torch-powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+
+        ps_state = ps.PowerSGDState(process_group=None,
+                                    matrix_approximation_rank=int(kw.get("rank", 1)),
+                                    start_powerSGD_iter=int(kw.get("start", 10)),
+                                    random_seed=args.seed)
+        ddp.register_comm_hook(ps_state, ps.powerSGD_hook)
     elif v["kind"] != "ddp":
-        raise ValueError(f"converge.py runs ddp and gc-* variants, not {v['label']!r}")
+        raise ValueError(f"converge.py runs ddp, torch-fp16, torch-powersgd and gc-* "
+                         f"variants, not {v['label']!r}")
     lossf = torch.nn.CrossEntropyLoss()
     n, per = len(Xtr), args.batch
     steps = EPOCHS[task] * args.epochs_scale * n // (per * world)

@@ -111,6 +111,31 @@ def parse_variant(text: str) -> dict[str, Any]:
     return v
 
 
+def hook_options(v: dict[str, Any], args: argparse.Namespace
+                 ) -> tuple[str | None, dict[str, Any]]:
+    """A ``gc-`` variant's codec and ``make_comm_hook`` options. Compressed from the first
+    step (``start_iter=0`` unless the variant sets it): the untimed steps then pay the
+    route's one-time costs (numba compiling into an empty cache, the plan, its pieces
+    vote), not the timed ones.
+
+    Example:
+        >>> import argparse
+        >>> a = argparse.Namespace(hook_transport="torch")
+        >>> hook_options(parse_variant("gc-topk:ratio=0.01"), a)
+        ('topk', {'ratio': 0.01, 'error_feedback': True, 'start_iter': 0})
+        >>> hook_options(parse_variant("gc-none"), a)
+        (None, {})
+    """
+    codec = None if v["codec"] == "none" else v["codec"]
+    kw: dict[str, Any] = dict(v["options"])
+    if codec is not None:
+        kw["error_feedback"] = v["ef"]
+        kw.setdefault("start_iter", 0)
+    if args.hook_transport == "mpi":
+        kw["transport"] = "mpi"
+    return codec, kw
+
+
 # ------------------------------------------------------------------ one variant
 def train_variant(v: dict[str, Any], args: argparse.Namespace, data, rank: int,
                   world: int) -> dict[str, Any]:
@@ -137,15 +162,7 @@ def train_variant(v: dict[str, Any], args: argparse.Namespace, data, rank: int,
     elif v["kind"] == "gc":
         from gradcomm.integrations.ddp import make_comm_hook
 
-        codec = None if v["codec"] == "none" else v["codec"]
-        kw: dict[str, Any] = dict(v["options"])
-        if codec is not None:
-            kw["error_feedback"] = v["ef"]
-            # compressed from the first step: the untimed steps then pay the route's
-            # one-time costs (a fresh numba cache compiles there, not in the timed steps)
-            kw.setdefault("start_iter", 0)
-        if args.hook_transport == "mpi":
-            kw["transport"] = "mpi"
+        codec, kw = hook_options(v, args)
         state, hook = make_comm_hook(codec, algorithm=v["algorithm"], model=ddp, **kw)
         ddp.register_comm_hook(state, hook)
 

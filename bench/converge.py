@@ -48,7 +48,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from train import load_data, make_model, parse_variant  # noqa: E402  (bench/train.py)
+from train import (TORCH_HOOKS, load_data, make_model,  # noqa: E402  (bench/train.py)
+                   parse_variant, register_torch_hook)
 
 DEFAULT_VARIANTS = ("ddp,gc-fp16,gc-bf16,gc-int8,gc-qsgd,gc-terngrad,gc-topk:ratio=0.01,"
                     "gc-topk:ratio=0.001,gc-topk:ratio=0.01;ef=0,gc-randomk:ratio=0.01,"
@@ -104,18 +105,8 @@ def train_one(v: dict[str, Any], task: str, optim: str, data: Any, args: argpars
             kw["optimizer"] = None
         state, hook = make_comm_hook(codec, algorithm=v["algorithm"], model=ddp, **kw)
         ddp.register_comm_hook(state, hook)
-    elif v["kind"] == "torch-fp16":            # PyTorch's own hooks, the references
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    elif v["kind"] == "torch-powersgd":
-        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
-
-        ps_state = ps.PowerSGDState(process_group=None,
-                                    matrix_approximation_rank=int(kw.get("rank", 1)),
-                                    start_powerSGD_iter=int(kw.get("start", 10)),
-                                    random_seed=args.seed)
-        ddp.register_comm_hook(ps_state, ps.powerSGD_hook)
+    elif v["kind"] in TORCH_HOOKS:              # PyTorch's own hooks, the references
+        register_torch_hook(v, ddp, args.seed)
     elif v["kind"] != "ddp":
         raise ValueError(f"converge.py runs ddp, torch-fp16, torch-powersgd and gc-* "
                          f"variants, not {v['label']!r}")

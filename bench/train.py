@@ -76,6 +76,8 @@ HERE = Path(__file__).resolve().parent
 DEFAULT_VARIANTS = ("ddp,torch-fp16,torch-powersgd:rank=2;start=10,gc-none,gc-fp16,gc-int8,"
                     "gc-qsgd,gc-terngrad,gc-onebit,gc-randomk:ratio=0.01,gc-topk:ratio=0.01,"
                     "gc-topk:ratio=0.01;ef=0")
+#: PyTorch's own DDP hooks, the references (:func:`register_torch_hook`)
+TORCH_HOOKS = ("torch-fp16", "torch-powersgd")
 #: the error-feedback ablation, run on ``--ablation`` data after the main variants: on
 #: digits every variant reaches ~97.5 % (the task is too easy to separate them), on the
 #: synthetic task top-k without EF falls ~10 points behind top-k with EF
@@ -97,7 +99,7 @@ def parse_variant(text: str) -> dict[str, Any]:
     v: dict[str, Any] = {"label": text, "options": options}
     if name == "ddp":
         v["kind"] = "ddp"
-    elif name in ("torch-fp16", "torch-powersgd"):
+    elif name in TORCH_HOOKS:
         v["kind"] = name
     elif name.startswith("gc-"):
         v["kind"], v["codec"] = "gc", name[3:]
@@ -136,6 +138,26 @@ def hook_options(v: dict[str, Any], args: argparse.Namespace
     return codec, kw
 
 
+def register_torch_hook(v: dict[str, Any], ddp: Any, seed: int) -> None:
+    """Register PyTorch's own hook of a :data:`TORCH_HOOKS` variant on ``ddp``:
+    ``torch-fp16``, or ``torch-powersgd[:rank=R;start=S]`` (``matrix_approximation_rank``
+    R, default 1, ``start_powerSGD_iter`` S, default 10, ``random_seed`` ``seed``)."""
+    if v["kind"] == "torch-fp16":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        return
+    assert v["kind"] == "torch-powersgd", v
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+
+    o = v["options"]
+    state = ps.PowerSGDState(process_group=None,
+                             matrix_approximation_rank=int(o.get("rank", 1)),
+                             start_powerSGD_iter=int(o.get("start", 10)),
+                             random_seed=seed)
+    ddp.register_comm_hook(state, ps.powerSGD_hook)
+
+
 # ------------------------------------------------------------------ one variant
 def train_variant(v: dict[str, Any], args: argparse.Namespace, data, rank: int,
                   world: int) -> dict[str, Any]:
@@ -144,21 +166,9 @@ def train_variant(v: dict[str, Any], args: argparse.Namespace, data, rank: int,
 
     model = make_model(args.width, args.depth, args.seed)
     ddp = DDP(model, bucket_cap_mb=args.bucket_mb)
-    state: Any = None
-    if v["kind"] == "torch-fp16":
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    elif v["kind"] == "torch-powersgd":
-        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
-
-        o = v["options"]
-        state = ps.PowerSGDState(process_group=None,
-                                 matrix_approximation_rank=int(o.get("rank", 1)),
-                                 start_powerSGD_iter=int(o.get("start", 10)),
-                                 random_seed=args.seed)
-        ddp.register_comm_hook(state, ps.powerSGD_hook)
-        state = None       # nothing to close
+    state: Any = None           # gradcomm's hook state (PyTorch's hooks: nothing to close)
+    if v["kind"] in TORCH_HOOKS:
+        register_torch_hook(v, ddp, args.seed)
     elif v["kind"] == "gc":
         from gradcomm.integrations.ddp import make_comm_hook
 

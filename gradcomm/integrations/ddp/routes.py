@@ -91,6 +91,8 @@ class Plan:
     feedback: bool | None = None
     #: the planned gathered route (:mod:`gradcomm.compressed.planned`), or None
     gather: Any = None
+    #: the cast route's :class:`~.cast.Cut` (pieces or whole, measured), made at its first run
+    cut: Any = None
 
 
 class Routes:
@@ -102,7 +104,8 @@ class Routes:
     process group (NCCL), is that group, whose allreduce sums uncompressed device buckets
     in place. ``stats``: ``buckets`` reduced, ``bytes_sent`` by gradcomm's own messages,
     ``native_nbytes`` handed to the library's allreduce, ``comm_seconds`` spent and
-    ``pieced``, the layouts whose planned allgather was cut into pieces.
+    ``pieced``, the layouts whose planned allgather was cut into pieces, and
+    ``cast_whole``, the cast route's layouts its ranks found faster whole (:class:`.cast.Cut`).
     ``stateful``: keep the guard even without residuals (momentum correction may be set
     as ``momentum`` later, when the hook finds the optimizer).
     """
@@ -118,7 +121,7 @@ class Routes:
         self.seed = int(reduction.seed or 0)
         self.residuals = residuals
         self.stats = {"buckets": 0, "bytes_sent": 0, "native_nbytes": 0, "comm_seconds": 0.0,
-                      "pieced": 0}
+                      "pieced": 0, "cast_whole": 0}
         stateful = stateful or residuals.enabled or momentum is not None or (
             self.compressor is not None and self.compressor.name == "powersgd")
         if clip is not None and not (guard and stateful):
@@ -409,9 +412,14 @@ class Routes:
             if guard is not None:
                 g2 = sq_norm(x)                 # the input, before the residuals join it
             store.take(unit, x)
+        if plan.cut is None:
+            plan.cut = cast.Cut(t.size, arrays.size(x))
+        decided = plan.cut.pieced
         out, reason = cast.allreduce(
-            t, x, codec, store, unit, residual=owed, guard=guard, g2=g2,
+            t, x, codec, store, unit, residual=owed, guard=guard, g2=g2, cut=plan.cut,
             residual_norm=lambda: sum(sq_norm(e) for e in res.unit_arrays(unit)))
+        if decided is None and plan.cut.pieced is False:
+            self.stats["cast_whole"] += 1
         self.stats["native_nbytes"] += 2 * (arrays.size(x) + cast.FLAGS)
         return out, reason
 

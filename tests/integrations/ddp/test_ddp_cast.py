@@ -133,6 +133,54 @@ def test_the_guard_rides_on_the_payload_and_every_rank_decides_alike(p, plant, r
         assert stats["guard_resets"] == (reason is not None)
 
 
+@pytest.mark.parametrize("votes, pieced", [((1.0, 1.0), True), ((0.0, 0.0), False),
+                                           ((1.0, 0.0), True), ((0.0, 1.0), True)])
+def test_the_cut_is_timed_both_ways_then_voted_alike_on_every_rank(votes, pieced):
+    """p = 2: after an untimed run, runs alternate whole / pieced (the same number of
+    library calls on both ranks), then each rank's vote (planted here through its
+    timings) rides with the payload and both ranks take the same cut for good (a tie
+    keeps the pieces); the bytes are the same whichever cut a run takes."""
+    n, piece = 10, 4
+    xs = _inputs(2, n)
+    wanted = _summed16(xs, "fp16")
+    runs = 2 * cast.TRIALS + 4
+
+    def fn(t):
+        cut, calls, outs = cast.Cut(t.size, n, piece), [], []
+        start = t.native_allreduce_start
+
+        def counted(*a, **k):
+            calls[-1] += 1
+            return start(*a, **k)
+
+        t.native_allreduce_start = counted
+        for run in range(runs):
+            if run == 2 * cast.TRIALS + 1:          # this rank's timings: its vote
+                fast, slow = [1.0] * cast.TRIALS, [2.0] * cast.TRIALS
+                cut.trials = [slow, fast] if votes[t.rank] else [fast, slow]
+            calls.append(0)
+            out, _ = cast.allreduce(t, xs[t.rank].copy(), compressors.get("fp16"), None,
+                                    "u", cut=cut)
+            outs.append(out.tobytes())
+        return calls, cut.pieced, outs
+
+    trials = [3 if r % 2 == 0 else 1 for r in range(1, 2 * cast.TRIALS + 1)]
+    after = [3 if pieced else 1] * 2
+    for calls, decided, outs in run_ranks(2, fn):
+        assert calls == [3, *trials, 3, *after]
+        assert decided is pieced
+        assert set(outs) == {wanted.tobytes()}
+
+
+def test_the_cut_is_not_measured_where_it_could_change_the_bytes_or_there_is_one_piece():
+    """At p > 2 (the library's order of additions may follow the cut) and for a unit of
+    one piece, pieces from the start: no trials, no vote."""
+    assert cast.Cut(3, 10, 4).pieced is True and cast.Cut(2, 4, 4).pieced is True
+    c = cast.Cut(3, 10, 4)
+    sizes = [c.size() for c.runs in range(2 * cast.TRIALS + 3)]
+    assert sizes == [4] * (2 * cast.TRIALS + 3) and c.vote() == 0.0
+
+
 def test_cast_allreduce_without_feedback_leaves_no_residual():
     xs = _inputs(2, 33)
 

@@ -62,8 +62,6 @@ DEVICE_ALGORITHMS = ("auto", "allgather", "sparse_allgather", "ring", "tree",
 STAGED_CODECS = ("powersgd",)
 #: the plan's route of a 16-bit cast unit summed by the library (:mod:`.cast`)
 CAST_ROUTE = "native cast"
-
-
 #: plans kept per hook state (bucket layouts seen recently; more are re-planned)
 PLAN_LIMIT = 256
 
@@ -412,14 +410,12 @@ class Routes:
             if guard is not None:
                 g2 = sq_norm(x)                 # the input, before the residuals join it
             store.take(unit, x)
-        if plan.cut is None:
-            plan.cut = cast.Cut(t.size, arrays.size(x))
-        decided = plan.cut.pieced
+        cut = plan.cut = plan.cut or cast.Cut(t.size, arrays.size(x))
+        decided = cut.pieced
         out, reason = cast.allreduce(
-            t, x, codec, store, unit, residual=owed, guard=guard, g2=g2, cut=plan.cut,
+            t, x, codec, store, unit, residual=owed, guard=guard, g2=g2, cut=cut,
             residual_norm=lambda: sum(sq_norm(e) for e in res.unit_arrays(unit)))
-        if decided is None and plan.cut.pieced is False:
-            self.stats["cast_whole"] += 1
+        self.stats["cast_whole"] += decided is None and cut.pieced is False
         self.stats["native_nbytes"] += 2 * (arrays.size(x) + cast.FLAGS)
         return out, reason
 
@@ -498,7 +494,6 @@ class Routes:
         if step < c.start_iter:
             return x.nbytes
         return sum(wire_values(parts_of(x.size, unit, c, self.residuals.store))) * x.itemsize
-
 
 
 __all__ = ["CAST_ROUTE", "DEVICE_ALGORITHMS", "PLAN_LIMIT", "Plan", "Routes", "STAGED_CODECS"]

@@ -154,7 +154,9 @@ class Compressor(ABC):
         the same bytes (:func:`compose`). ``out``: an earlier payload whose buffers may be
         reused (``reuses_out``). ``tally`` (host float64[2], with ``residual``):
         ``tally += (sq_norm(e), e.size)`` of the new ``e`` (the kernels' ``sq_norm``, the
-        same value on every path; in the fused pass where there is one).
+        same value on every path; in the fused pass where there is one); a float64[4]
+        also takes ``(sq_norm(x), x.size)`` of the input into ``tally[2:4]`` (the 16-bit
+        casts' fused pass reads it there as it encodes).
         """
         x = as_input(x, self.name)
         fk = None
@@ -278,10 +280,14 @@ def compose(codec: Compressor, x: np.ndarray, seed: Any, out: Any, residual: Any
             decoded: Any, tally: np.ndarray | None = None) -> Payload:
     """What ``compress(x, residual=e, decoded=d, tally=t)`` means, step by step:
     ``y = x + e`` (into ``e``); the payload encodes ``y``; ``d = decode(payload)``;
-    ``e = y - d``; ``t += (sq_norm(e), e.size)``. Fused kernels produce exactly these
-    bytes (and this tally) in one pass."""
+    ``e = y - d``; ``t += (sq_norm(e), e.size)`` (a ``t`` of four: ``t[2:4] +=
+    (sq_norm(x), x.size)`` first). Fused kernels produce exactly these bytes (and this
+    tally) in one pass."""
     y = x
     with np.errstate(invalid="ignore", over="ignore"):  # inf - inf: NaN, by design
+        if residual is not None and tally is not None and tally.size > 2:
+            tally[2] += _kernels.for_array(x).sq_norm(x)
+            tally[3] += arrays.size(x)
         if residual is not None:
             residual += x                               # IEEE addition commutes
             y = residual

@@ -108,6 +108,29 @@ def test_fused_compress_is_the_composition(name: str, opts: dict,
                         assert _same(b, a), (path, dtype, n, mode)
 
 
+@pytest.mark.parametrize("name", ["fp16", "bf16", "int8", "onebit"])
+def test_a_tally_of_four_also_takes_the_input_norm(name: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """``compress(x, residual=e, tally=t)`` with ``t`` of four entries: ``t[:2]`` is the
+    new residual's ``(sq_norm, n)``, as with two; ``t[2:]`` is the input's, taken before
+    the residual joins it (in the 16-bit casts' fused pass, block by block), bit for bit
+    ``sq_norm(x)`` on both paths; the payload and residual are the same bytes."""
+    from gradcomm.compressed.guard import sq_norm
+
+    c = get(name)
+    for path in _paths(monkeypatch):
+        for n in (1, 9, 10007):
+            x = data(n, "float32", 5)
+            e = (data(n, "float32", 6) * 0.25).astype(np.float32)
+            e2, e4 = e.copy(), e.copy()
+            t2, t4 = np.zeros(2), np.zeros(4)
+            p2 = c.compress(x.copy(), seed=1, residual=e2, tally=t2)
+            p4 = c.compress(x.copy(), seed=1, residual=e4, tally=t4)
+            assert p4.to_bytes().tobytes() == p2.to_bytes().tobytes(), (path, n)
+            assert e4.tobytes() == e2.tobytes() and t4[:2].tolist() == t2.tolist()
+            assert t4[2:].tolist() == [sq_norm(x), n], (path, n)
+
+
 def test_fused_arguments_are_checked() -> None:
     c = get("int8")
     x = np.ones(8, np.float32)

@@ -267,6 +267,28 @@ def test_all_finite() -> None:
                 x[50] = 1
 
 
+@pytest.mark.parametrize("bf16", [False, True])
+def test_finite16_sees_every_infinity_and_nan(bf16: bool) -> None:
+    """Both paths: the largest finite values and subnormals of either sign are finite;
+    one inf, -inf or NaN anywhere (at each end too, past a 4099-element run) is not."""
+    wide = np.array([0.0, -0.0, 1.0, -2.5, 1e-7, -1e-7, 65504.0, -65504.0], np.float32)
+    if bf16:
+        bits = np.empty(wide.size, np.uint16)
+        NP.f32_to_bf16(wide * np.float32(1e30), bits)    # up to 6.5e34, finite
+        bad = [0x7F80, 0xFF80, 0x7FC0, 0xFFC1]
+    else:
+        bits = wide.astype(np.float16).view(np.uint16)
+        bad = [0x7C00, 0xFC00, 0x7E00, 0xFC01]
+    h = np.resize(bits, 4099)
+    for impl in (NP, NB):
+        assert impl.finite16(h, bf16) and impl.finite16(h[:0], bf16)
+        for v in bad:
+            for at in (0, 2048, 4098):
+                g = h.copy()
+                g[at] = v
+                assert not impl.finite16(g, bf16), (impl.NAME, hex(v), at)
+
+
 def test_choice_of_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GRADCOMM_KERNELS", "numpy")
     assert _kernels.get().NAME == "numpy" and _kernels.for_size(1 << 30).NAME == "numpy"

@@ -145,9 +145,11 @@ def f32_finish(tmp: Any, out: Any, k: Kernels, add: bool = False) -> Any:
 
 class Tallied:
     """The fused encoders of ``k`` (a :class:`FusedKernels` path), each also adding its new
-    residual's ``(sq_norm, size)`` into ``tally`` (host float64[2]): what a codec's
-    ``_encode`` is handed for ``compress(..., residual=, tally=)``; the codecs call only
-    the ``*_fused`` encoders on it.
+    residual's ``(sq_norm, size)`` into ``tally`` (host float64[2]; a float64[4] also
+    takes the input's into ``tally[2:4]``: in the 16-bit casts' pass, before the other
+    encoders' passes here): what a codec's ``_encode`` is handed for
+    ``compress(..., residual=, tally=)``; the codecs call only the ``*_fused`` encoders on
+    it.
 
     Example:
         >>> import numpy as np
@@ -163,6 +165,13 @@ class Tallied:
     def __init__(self, k: FusedKernels, tally: Any) -> None:
         self.k, self.tally = k, tally
 
+    def _input(self, x: Any) -> None:
+        """The input's ``(sq_norm, size)`` into ``tally[2:4]`` where it has four entries
+        (for the encoders that do not take it in their own pass)."""
+        if self.tally.size > 2:
+            self.tally[2] += self.k.sq_norm(x)
+            self.tally[3] += x.size
+
     def f32_to_f16_fused(self, x: Any, out: Any, residual: Any = None,
                          decoded: Any = None) -> None:
         self.k.f32_to_f16_fused(x, out, residual, decoded, tally=self.tally)
@@ -174,22 +183,26 @@ class Tallied:
     def minmax_encode_fused(self, x: Any, bs: int, bits: int, stochastic: bool, key: Any,
                             lo_out: Any, unit_out: Any, packed: Any, residual: Any = None,
                             decoded: Any = None) -> None:
+        self._input(x)
         self.k.minmax_encode_fused(x, bs, bits, stochastic, key, lo_out, unit_out, packed,
                                    residual, decoded, tally=self.tally)
 
     def fixed_encode_fused(self, x: Any, bits: int, scale: float, stochastic: bool,
                            key: Any, packed: Any, residual: Any = None,
                            decoded: Any = None) -> None:
+        self._input(x)
         self.k.fixed_encode_fused(x, bits, scale, stochastic, key, packed, residual, decoded,
                                   tally=self.tally)
 
     def signlevel_encode_fused(self, x: Any, bs: int, levels: int, bits: int, l2: bool,
                                key: Any, scale_out: Any, packed: Any, residual: Any = None,
                                decoded: Any = None) -> None:
+        self._input(x)
         self.k.signlevel_encode_fused(x, bs, levels, bits, l2, key, scale_out, packed,
                                       residual, decoded, tally=self.tally)
 
     def onebit_encode_fused(self, x: Any, bs: int, pos_out: Any, neg_out: Any, packed: Any,
                             residual: Any = None, decoded: Any = None) -> None:
+        self._input(x)
         self.k.onebit_encode_fused(x, bs, pos_out, neg_out, packed, residual, decoded,
                                    tally=self.tally)

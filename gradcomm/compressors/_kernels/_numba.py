@@ -347,33 +347,36 @@ def _round16_loop(x, v, e, d, mode, rnd):
 
 
 @njit(inline="always", **_JIT)
-def _round16(x, v, e, d, mode, rnd, acc):
-    """:func:`_round16_loop`, and with lanes ``acc`` (not empty) block by block, each
-    block's new e squared into them while it is in cache."""
+def _round16(x, v, e, d, mode, rnd, acc, acc_x):
+    """:func:`_round16_loop`, and with lanes ``acc`` / ``acc_x`` (not empty) block by
+    block, each block's new e / its input x squared into them while it is in cache."""
     n = x.size
-    if acc.size == 0:
+    if acc.size == 0 and acc_x.size == 0:
         _round16_loop(x, v, e, d, mode, rnd)
         return
     whole = d.size == n
     for s in range(0, n, _CAST_BLOCK):
         m = min(_CAST_BLOCK, n - s)
+        if acc_x.size:
+            _acc_sq(acc_x, x[s:s + m], s)           # before the INTO_X modes write x
         _round16_loop(x[s:s + m], v[s:s + m], e[s:s + m], d[s:s + m] if whole else d[:0],
                       mode, rnd)
-        _acc_sq(acc, e[s:s + m], s)
+        if acc.size:
+            _acc_sq(acc, e[s:s + m], s)
 
 
 @njit(**_JIT)
-def _f16_encode(x, v, e, d, mode, acc):
-    _round16(x, v, e, d, mode, _f16_round, acc)
+def _f16_encode(x, v, e, d, mode, acc, acc_x):
+    _round16(x, v, e, d, mode, _f16_round, acc, acc_x)
 
 
 @njit(**_JIT)
-def _bf16_encode(x, v, e, d, mode, acc):
-    _round16(x, v, e, d, mode, _bf16_round, acc)
+def _bf16_encode(x, v, e, d, mode, acc, acc_x):
+    _round16(x, v, e, d, mode, _bf16_round, acc, acc_x)
 
 
 def _f32_to_f16(x, out):
-    _f16_encode(x, out, _NONE32, _NONE32, _PLAIN, _NOACC)
+    _f16_encode(x, out, _NONE32, _NONE32, _PLAIN, _NOACC, _NOACC)
 
 
 @njit(**_JIT)
@@ -432,7 +435,7 @@ def f16_to_f32(h, out, add=False):
 
 
 def f32_to_bf16(x, out):
-    _bf16_encode(x, out, _NONE32, _NONE32, _PLAIN, _NOACC)
+    _bf16_encode(x, out, _NONE32, _NONE32, _PLAIN, _NOACC, _NOACC)
 
 
 @njit(**_JIT)
@@ -883,32 +886,40 @@ def _lanes(tally, residual):
     return np.zeros(LANES) if tally is not None and residual is not None else _NOACC
 
 
-def _tally(tally, acc, n):
-    """``tally += (sq_norm of the residual, n)`` from its lanes ``acc``."""
+def _tally(tally, acc, n, at=0):
+    """``tally[at:at + 2] += (sq_norm, n)`` from the lanes ``acc`` (nothing if empty)."""
     if acc.size:
         from ._numpy import fold_lanes
-        tally[0] += fold_lanes(acc)
-        tally[1] += n
+        tally[at] += fold_lanes(acc)
+        tally[at + 1] += n
+
+
+def _input_lanes(tally):
+    """Lanes for the input's squares: a tally of four asks for them (``tally[2:4]``)."""
+    return np.zeros(LANES) if tally is not None and tally.size > 2 else _NOACC
 
 
 def f32_to_f16_fused(x, out, residual=None, decoded=None, tally=None):
     """:func:`f32_to_f16` of ``y = x (+ residual)``, leaving ``residual = y - decoded``
     and/or ``decoded`` (which may be ``x``) in the same pass; ``tally`` (float64[2]):
-    ``+= (sq_norm(residual), n)`` of the new residual, in the same pass."""
+    ``+= (sq_norm(residual), n)`` of the new residual, in the same pass; float64[4]: also
+    ``tally[2:4] += (sq_norm(x), n)`` of the input (before the residual joins it)."""
     if x.size:
         mode, e, d = _mode(x, residual, decoded, into_x=True)
-        acc = _lanes(tally, residual)
-        _f16_encode(x, out, e, d, mode, acc)
+        acc, acc_x = _lanes(tally, residual), _input_lanes(tally)
+        _f16_encode(x, out, e, d, mode, acc, acc_x)
         _tally(tally, acc, x.size)
+        _tally(tally, acc_x, x.size, 2)
 
 
 def f32_to_bf16_fused(x, out, residual=None, decoded=None, tally=None):
     """:func:`f32_to_bf16` fused likewise."""
     if x.size:
         mode, e, d = _mode(x, residual, decoded, into_x=True)
-        acc = _lanes(tally, residual)
-        _bf16_encode(x, out, e, d, mode, acc)
+        acc, acc_x = _lanes(tally, residual), _input_lanes(tally)
+        _bf16_encode(x, out, e, d, mode, acc, acc_x)
         _tally(tally, acc, x.size)
+        _tally(tally, acc_x, x.size, 2)
 
 
 def minmax_encode_fused(x, bs, bits, stochastic, key, lo_out, unit_out, packed,
@@ -1286,3 +1297,9 @@ def all_finite(x: np.ndarray) -> bool:
     if x.dtype == np.float32:
         return bool(_all_finite(x.view(np.uint32), np.uint32(0x7FFFFFFF), np.uint32(0x7F800000)))
     return bool(np.isfinite(x).all())
+
+
+def finite16(h: np.ndarray, bf16: bool = False) -> bool:
+    """:func:`._numpy.finite16` in one pass (the largest magnitude's bits below inf's)."""
+    inf = np.uint16(0x7F80 if bf16 else 0x7C00)
+    return bool(_all_finite(h, np.uint16(0x7FFF), inf)) if h.size else True

@@ -263,6 +263,20 @@ def bf16_to_f32(h: np.ndarray, out: np.ndarray, add: bool = False) -> None:
     out.view(np.uint32)[...] = h.astype(np.uint32) << 16
 
 
+def finite16(h: np.ndarray, bf16: bool = False) -> bool:
+    """Whether every half (``bf16``: bfloat16) of bits ``h`` (uint16) is finite: none
+    has its exponent bits all set.
+
+    Example:
+        >>> h = np.array([1.0, 65504.0, np.inf], np.float16).view(np.uint16)
+        >>> finite16(h[:2]), finite16(h), finite16(np.array([0x7F80], np.uint16), True)
+        (True, False, False)
+    """
+    mask = np.uint16(0x7F80 if bf16 else 0x7C00)
+    return not any(np.any(np.bitwise_and(h[s:s + m], mask) == mask)
+                   for s, m in _chunks(h.size, 2))
+
+
 # --- int8: per-bucket min/max --------------------------------------------------------------
 
 @_quiet

@@ -58,6 +58,10 @@ class Kernels(Protocol):
     def bf16_to_f32(self, h: Any, out: Any, add: bool = False) -> None:
         """float32 of bfloat16 bits ``h``."""
 
+    def finite16(self, h: Any, bf16: bool = False) -> bool:
+        """Whether every half (``bf16``: bfloat16) of bits ``h`` is finite: what widening
+        it gives, without the pass over the float32 result."""
+
     # -- bucketed quantizers (int8, qsgd / terngrad, onebit)
     def minmax_encode(self, x: Any, bs: int, bits: int, stochastic: bool, key: Any,
                       lo_out: Any, unit_out: Any, packed: Any) -> None:
@@ -131,7 +135,9 @@ class FusedKernels(Kernels, Protocol):
     in the same pass, with the bytes of the plain kernels composed
     (:func:`~gradcomm.compressors.base.compose`). float32 host arrays. With ``tally``
     (float64[2]) and ``residual``, ``tally += (sq_norm(e), e.size)`` of the new ``e``,
-    in the same pass (the divergence guard's residual norm)."""
+    in the same pass (the divergence guard's residual norm); the 16-bit casts also take
+    a float64[4], whose ``tally[2:4] += (sq_norm(x), x.size)`` of the input in the same
+    pass (the guard's input norm, on the DDP hook's cast route)."""
 
     def f32_to_f16_fused(self, x: Any, out: Any, residual: Any = None,
                          decoded: Any = None, tally: Any = None) -> None:

@@ -267,6 +267,14 @@ def bf16_to_f32(h: Any, out: Any, add: bool = False) -> None:
         _assign(out, wide)
 
 
+def finite16(h: Any, bf16: bool = False) -> bool:
+    """Whether every half (``bf16``: bfloat16) of bits ``h`` (uint16) is finite."""
+    xp = arrays.namespace(h)
+    mask = 0x7F80 if bf16 else 0x7C00
+    bits = xp.astype(arrays.bitcast(h, "int16"), xp.int32)
+    return not bool(xp.any((bits & mask) == mask))
+
+
 # --- int8: per-bucket min/max --------------------------------------------------------------
 # Divisions take a 0-d array of the data's device, never a Python scalar: torch on CUDA
 # turns ``t / 3.0`` into ``t * (1 / 3.0)``, and ``3.0 / t`` into ``reciprocal(t) * 3.0``

@@ -28,9 +28,11 @@ timings would let two runs of the same job round differently).
 **The divergence guard, without a message of its own.** Each rank's two flags (a
 non-finite residual, a residual norm over the bound; zeros without a
 :class:`~gradcomm.compressed.guard.Guard`, so that every rank sums the same count) travel
-as two more 16-bit values of the last piece, summed with it; the result holds the same bytes everywhere, so each rank
-checks all of it for non-finite values itself (piece by piece, as it is widened) and
-every rank takes the same decision without the guard's separate agreement.
+as 16-bit values after the last piece (with the :class:`Cut`'s vote), summed with it.
+The result holds the same bytes everywhere, so each rank checks all of it for non-finite
+values itself (on the summed 16-bit bits, which widen exactly) and every rank takes the
+same decision without the guard's separate agreement. The norms the guard needs (the
+input's, the new residual's) are taken in the codec's pass where the residual joins it.
 
 Example (in-process ranks; their native sum adds in rank order):
     >>> import numpy as np
@@ -45,7 +47,6 @@ Example (in-process ranks; their native sum adds in rank order):
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any, Callable
 
@@ -53,6 +54,7 @@ import numpy as np
 
 from ...compressed.guard import Guard, sq_norm
 from ...compressed.state import session
+from ...compressors import _kernels
 from ...compressors.base import Compressor
 from ...compressors.payload import Payload
 from ...comm.base import Transport
@@ -161,7 +163,8 @@ def allreduce(t: Transport, x: np.ndarray, codec: Compressor, ef: ResidualStore 
     step's input norm is observed and the decision taken on every rank alike (the flags
     summed with the last piece); ``residual_norm``: the residuals' summed ``sq_norm`` where
     ``residual`` is not given (after ``ef``'s update); ``g2``: the input's ``sq_norm``
-    before the residual was added, if measured already (else measured piece by piece);
+    before the residual was added, if measured already (else measured in the codec's
+    pass with the residual, or piece by piece);
     ``cut``: the unit's :class:`Cut`, which then sets the piece size (for ``piece``),
     votes and is told this run's time."""
     began = time.perf_counter()
@@ -172,16 +175,18 @@ def allreduce(t: Transport, x: np.ndarray, codec: Compressor, ef: ResidualStore 
     feedback = codec.lossy and contractive(codec) and (
         residual is not None or (ef is not None and ef.enabled))
     fused = feedback and residual is not None
-    tally = np.zeros(2) if fused and guard is not None else None
-    cuts = pieces(n, piece)
     measure = guard is not None and g2 is None
+    # the guard's norms in the codec's pass: the new residual's, and (a tally of four)
+    # the input's where it is not measured yet
+    tally = np.zeros(4 if measure else 2) if fused and guard is not None else None
+    cuts = pieces(n, piece)
     g2 = 0.0 if g2 is None else g2
     with session(t) as scratch:
         v = scratch.floats(0, n + FLAGS, held)
         decoded = scratch.floats(1, n, np.float32) if feedback and not fused else None
         sent: list[tuple[Payload, Any]] = []
         for a, b in cuts:
-            if measure:
+            if measure and tally is None:
                 g2 += sq_norm(x[a:b])
             payload = codec.compress(
                 x[a:b], out=Payload(name, {}, {"v": v[a:b]}),
@@ -201,12 +206,12 @@ def allreduce(t: Transport, x: np.ndarray, codec: Compressor, ef: ResidualStore 
                 vote = cut is not None and cut.vote() > 0
                 v.view(np.uint16)[n:stop] = np.where((*flags, vote), _ONE[name], 0)
             sent.append((payload, t.native_allreduce_start(v[a:stop], "sum", wire)))
-        out2 = 0.0
+        finite, bits = True, v.view(np.uint16)
         for (a, b), (payload, work) in zip(cuts, sent):
             t.native_allreduce_wait(work)
             codec.decompress(payload, out=x[a:b])
-            if guard is not None:
-                out2 += sq_norm(x[a:b])
+            if guard is not None and finite:    # the widened sum is finite where its
+                finite = _kernels.for_array(bits).finite16(bits[a:b], name == "bf16")  # bits are
         flags = v[n:n + FLAGS]
         counts = flags.astype(np.float32) if name == "fp16" else \
             (flags.astype(np.uint32) << 16).view(np.float32)
@@ -214,7 +219,9 @@ def allreduce(t: Transport, x: np.ndarray, codec: Compressor, ef: ResidualStore 
             cut.record(time.perf_counter() - began, float(counts[2]), t.size)
         if guard is None:
             return x, None
-        reason = guard.settle(key, g2, math.isfinite(out2), counts[:2])
+        if measure and tally is not None:
+            g2 = float(tally[2])
+        reason = guard.settle(key, g2, finite, counts[:2])
     return x, reason
 
 

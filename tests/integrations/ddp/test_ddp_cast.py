@@ -181,6 +181,30 @@ def test_the_cut_is_not_measured_where_it_could_change_the_bytes_or_there_is_one
     assert sizes == [4] * (2 * cast.TRIALS + 3) and c.vote() == 0.0
 
 
+@pytest.mark.parametrize("codec", ["fp16", "bf16"])
+def test_the_guard_scale_is_the_input_norm_taken_in_the_codecs_pass(codec):
+    """With the residual fused into the encode, the input's norm is taken in the same
+    pass: the guard's recorded scale is, bit for bit, the sum over the pieces of their
+    ``sq_norm`` (what a separate pass gave), not the residual's or the result's."""
+    from gradcomm.compressed.guard import Guard, sq_norm
+
+    n, piece = 10007, 4096
+    xs = _inputs(2, n)
+
+    def fn(t):
+        guard, e = Guard(), xs[t.rank] * np.float32(1e-3)
+        x = xs[t.rank].copy()
+        out, reason = cast.allreduce(t, x, compressors.get(codec), None, "u", residual=e,
+                                     guard=guard, piece=piece)
+        return guard._scale["u"], reason
+
+    for r, (scale, reason) in enumerate(run_ranks(2, fn)):
+        want = 0.0
+        for a, b in cast.pieces(n, piece):
+            want += sq_norm(xs[r][a:b])
+        assert reason is None and scale == want, r
+
+
 def test_cast_allreduce_without_feedback_leaves_no_residual():
     xs = _inputs(2, 33)
 

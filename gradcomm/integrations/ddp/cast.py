@@ -117,11 +117,13 @@ class Cut:
         (0.0, None, False, 10)
     """
 
-    def __init__(self, p: int, n: int, piece: int = PIECE) -> None:
-        self.n, self.piece, self.runs = n, piece, 0
+    def __init__(self, p: int, n: int, piece: int | None = None) -> None:
+        self.n, self.runs = n, 0
+        self.piece = PIECE if piece is None else piece     # the module's, read now
         #: the timed runs' seconds, whole and pieced
         self.trials: list[list[float]] = [[], []]
-        self.pieced: bool | None = True if p != 2 or len(pieces(n, piece)) == 1 else None
+        self.pieced: bool | None = \
+            True if p != 2 or len(pieces(n, self.piece)) == 1 else None
 
     def _trial(self) -> bool:
         return self.pieced is None and 1 <= self.runs <= 2 * TRIALS

@@ -705,20 +705,23 @@ def _cast16(x: np.ndarray, codec: str) -> np.ndarray:
     return (b << 16).view(np.float32)
 
 
-def check_cast(steps: int = 4) -> None:
+def check_cast(steps: int = 5) -> None:
     """fp16/bf16 with ``algorithm="auto"`` on gloo take the cast route (the 16-bit payload
     summed by gloo's allreduce; no gradcomm messages): every rank's bucket input times
     fl(1/p) plus its residual is rounded to 16 bits once, the residual keeps exactly what
     the rounding lost, and the result, the same bytes on every rank, is the 16-bit sum:
     bitwise (an independent replay of the sum) at p = 2, where the sum of two values has one
     rounding, within one rounding per addition of the exact sum at p > 2 (gloo's order);
-    gradcomm's own messages are only the argument checks."""
+    gradcomm's own messages are only the argument checks. At p = 2 the units run in pieces
+    and whole (the cut's trials, one each here), vote and keep one cut, the same on every
+    rank (the bytes are checked either way)."""
     from gradcomm.integrations.ddp import cast
     from gradcomm.integrations.ddp.routes import CAST_ROUTE
 
     p, me = dist.get_world_size(), dist.get_rank()
     done = []
     cast.PIECE = 1000                     # several pieces per bucket: the pipeline runs
+    cast.TRIALS = 1                       # runs 1, 2 timed, run 3 votes, run 4 decided
     for codec in ("fp16", "bf16"):
         module = make_model()
         names = {id(q): n for n, q in module.named_parameters()}
@@ -781,6 +784,15 @@ def check_cast(steps: int = 4) -> None:
             if np.asarray(state.residuals._residuals.get(k, 0.0)).tobytes() != e.tobytes():
                 fail(f"cast {codec}: residual {k} is not what the rounding lost")
                 break
+        cuts = [(c.n, c.pieced, c.runs, [len(s) for s in c.trials]) for c in
+                (plan.cut for plan in state.routes.plans.values()) if c is not None]
+        every_cut: list = [None] * p
+        dist.all_gather_object(every_cut, sorted(cuts))
+        split = [c for c in cuts if c[0] > cast.PIECE and c[2] > 2 * cast.TRIALS + 1]
+        timed = [cast.TRIALS] * 2 if p == 2 else [0, 0]
+        if any(c != every_cut[0] for c in every_cut) or not split or any(
+                c[1] is None or (p > 2 and not c[1]) or c[3] != timed for c in split):
+            fail(f"cast {codec}: the ranks' cuts (count, pieced, runs, timed) {every_cut}")
         routes = {plan.route for plan in state.routes.plans.values()}
         # gradcomm's own messages: the argument checks of new shapes alone (a ring would
         # send 2(p-1)/p of the 16-bit values); the library sums the 16-bit values and the

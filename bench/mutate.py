@@ -165,8 +165,17 @@ MUTANTS: tuple[Mutant, ...] = (
            ("ddp_cast",)),
     Mutant("cast-result-unchecked", "the cast route does not check the summed result for "
            "non-finite values (an overflowing float16 sum passes as a clean step)",
-           (Patch(_CAST, "                out2 += sq_norm(x[a:b])",
-                  "                out2 += 0.0"),),
+           (Patch(_CAST, "                finite = _kernels.for_array(bits).finite16(bits[a:b], "
+                  "name == \"bf16\")", "                finite = True"),),
+           ("ddp_cast",)),
+    Mutant("cast-cut-local", "each rank takes the cast route's cut from its own timings, "
+           "not the summed votes (ranks may issue different numbers of library calls)",
+           (Patch(_CAST, "cut.record(time.perf_counter() - began, float(counts[2]), t.size)",
+                  "cut.record(time.perf_counter() - began, cut.vote() * t.size, t.size)"),),
+           ("ddp_cast",)),
+    Mutant("cast-input-norm-wrong", "the cast route's guard scale is the new residual's "
+           "norm, not the input's (a runaway residual measured against itself)",
+           (Patch(_CAST, "            g2 = float(tally[2])", "            g2 = float(tally[0])"),),
            ("ddp_cast",)),
     Mutant("cast-residual-dropped", "the cast route's fused pass encodes x without the "
            "residual (error feedback silently off on the hook's 16-bit route)",

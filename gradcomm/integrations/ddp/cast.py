@@ -212,8 +212,8 @@ def allreduce(t: Transport, x: np.ndarray, codec: Compressor, ef: ResidualStore 
         for (a, b), (payload, work) in zip(cuts, sent):
             t.native_allreduce_wait(work)
             codec.decompress(payload, out=x[a:b])
-            if guard is not None and finite:    # the widened sum is finite where its
-                finite = _kernels.for_array(bits).finite16(bits[a:b], name == "bf16")  # bits are
+            if guard is not None and finite:    # the widened sum: finite where its bits are
+                finite = _kernels.for_array(bits).finite16(bits[a:b], name == "bf16")
         flags = v[n:n + FLAGS]
         counts = flags.astype(np.float32) if name == "fp16" else \
             (flags.astype(np.uint32) << 16).view(np.float32)

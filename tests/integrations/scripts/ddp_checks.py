@@ -14,6 +14,7 @@ finds a problem appends a message to ``errors`` (it does not stop the other chec
 from __future__ import annotations
 
 import argparse
+import hashlib
 import io
 import json
 import os
@@ -786,13 +787,16 @@ def check_cast(steps: int = 5) -> None:
                 break
         cuts = [(c.n, c.pieced, c.runs, [len(s) for s in c.trials]) for c in
                 (plan.cut for plan in state.routes.plans.values()) if c is not None]
-        every_cut: list = [None] * p
-        dist.all_gather_object(every_cut, sorted(cuts))
+        # a digest in a tensor, not all_gather_object: torch's pickled tensors would be
+        # the script's last collective's, which lifecycle.wait_released cannot wait on
+        digest = hashlib.sha256(json.dumps(sorted(cuts)).encode()).digest()
+        same = same_everywhere(torch.frombuffer(bytearray(digest), dtype=torch.uint8))
         split = [c for c in cuts if c[0] > cast.PIECE and c[2] > 2 * cast.TRIALS + 1]
         timed = [cast.TRIALS] * 2 if p == 2 else [0, 0]
-        if any(c != every_cut[0] for c in every_cut) or not split or any(
+        if not same or not split or any(
                 c[1] is None or (p > 2 and not c[1]) or c[3] != timed for c in split):
-            fail(f"cast {codec}: the ranks' cuts (count, pieced, runs, timed) {every_cut}")
+            fail(f"cast {codec}: the cuts (count, pieced, runs, timed) {sorted(cuts)} "
+                 f"{'' if same else 'differ across ranks'}")
         routes = {plan.route for plan in state.routes.plans.values()}
         # gradcomm's own messages: the argument checks of new shapes alone (a ring would
         # send 2(p-1)/p of the 16-bit values); the library sums the 16-bit values and the

@@ -95,24 +95,30 @@ def test_every_codec_trains_to_the_uncompressed_loss_and_none_diverges():
 
 
 ADAM_CODECS = ("onebit", "topk", "randomk", "terngrad")
+#: the hook's Adam route against OneBitAdam: the same mechanism, rounded apart
+SAME = 0.01
 
 
 @pytest.mark.timeout(300)
-def test_with_adamw_every_codec_trains_through_onebitadam_better_than_through_the_hook():
-    """Adam's route (issue 13): ``OneBitAdam(compressor=name)`` (20 dense steps, then the
-    preconditioned momentum through the codec) on the same task with AdamW (lr 0.01, 150
-    steps, 2 ranks; uncompressed 0.57): every codec ends within ``LOOSE`` of the
-    uncompressed loss (onebit -0.00, topk +0.07, randomk +0.02, terngrad -0.01), and for
-    the codecs whose hook compression costs Adam the most (onebit, topk, randomk: +0.12,
-    +0.13, +0.18 through ``make_comm_hook`` from the first step, ``start_iter=0``) the
-    optimizer route ends lower. (Given OneBitAdam's 20 dense steps too, the hook's top-k
-    ends +0.05 on this small task; the benchmark's AdamW figures are in bench/RESULTS.md.)"""
+def test_with_adamw_the_hooks_adam_route_trains_as_onebitadam_and_beats_adam_gradients():
+    """Adam's route (issue 13) on the same task with AdamW (lr 0.01, 150 steps, 2 ranks;
+    uncompressed 0.573). ``make_comm_hook(codec)`` finds the AdamW and takes its Adam route
+    (``start_iter=20``: 20 dense steps, then the preconditioned momentum through the
+    codec): every codec ends within ``LOOSE`` of the uncompressed loss (onebit 0.569,
+    topk 0.638, randomk 0.597, terngrad 0.560), within ``SAME`` of
+    ``OneBitAdam(compressor=codec, warmup_steps=20)`` (the same mechanism as an optimizer:
+    equal to the bit for onebit, the others differ from the 7th digit on, where torch's
+    Adam and OneBitAdam's warm-up round differently), and below the hook's gradient route
+    (``optimizer=None``: Adam's gradients compressed from the first step; 0.689, 0.707,
+    1.165, 0.605). Planted: the route off (``ADAM_CODECS`` empty) gives the gradient
+    route's losses, which fail both."""
     results = torchrun(CHECKS, 2, "adam=150@" + ",".join(ADAM_CODECS), timeout=290)
     losses = results.clean_results(2)
     assert losses[0]["info"] == losses[1]["info"]
     loss = losses[0]["info"]["adam"]
     ref, initial = loss["none"], loss["initial"]
     for codec in ADAM_CODECS:
-        assert math.isfinite(loss[codec]) and loss[codec] <= ref + LOOSE, (codec, loss)
-    for codec in ("onebit", "topk", "randomk"):
-        assert loss[codec] < loss["hook:" + codec] < initial, (codec, loss)
+        hook = loss["hook:" + codec]
+        assert math.isfinite(hook) and hook <= ref + LOOSE, (codec, loss)
+        assert abs(hook - loss[codec]) <= SAME, (codec, loss)
+        assert hook < loss["gradient:" + codec] < initial, (codec, loss)

@@ -79,8 +79,10 @@ SGD with momentum; topk, randomk and powersgd run 150 dense steps first (``start
 :data:`.defaults.DENSE_WARMUP`); top-k below 1 % then ramps its sparsity
 (``ramp``, :mod:`.ramp`, DGC's exponential warm-up); random-k defaults to ratio 0.25 and
 is clipped (``clip``) so that it cannot diverge; the divergence guard (``guard``, on by
-default) keeps one non-finite step from poisoning the residuals; for Adam,
-:mod:`gradcomm.integrations.onebit_adam`.
+default) keeps one non-finite step from poisoning the residuals. With
+``torch.optim.Adam``/``AdamW`` topk, randomk, onebit and terngrad take the Adam route
+(:mod:`.adam`: 1-bit Adam's frozen variance and compressed momentum, on the user's own
+optimizer, after 100 plain Adam steps).
 
 Tuning: a longer ``start_iter`` leaves more of the first, fast-changing phase
 uncompressed, for other codecs too; on gloo every message costs
@@ -101,7 +103,8 @@ Example:
 """
 
 from .checkpoint import STATE_FORMAT, STATE_VERSION
-from .hook import CommHookState, UnboundModelWarning, comm_hook
+from .hook import CommHookState, comm_hook
+from .names import UnboundModelWarning
 from .make import make_comm_hook
 
 __all__ = ["CommHookState", "STATE_FORMAT", "STATE_VERSION", "UnboundModelWarning",

@@ -164,6 +164,27 @@ def restore_momentum(state: Mapping[str, Any], p_new: int, rank: int
     return factors, velocity, saved[0]["previous"]
 
 
+def restore_adam(state: Mapping[str, Any], p_new: int, rank: int
+                 ) -> dict[str, np.ndarray] | None:
+    """The Adam route's momentum residuals and codec steps (:mod:`.adam`) for rank
+    ``rank`` of ``p_new`` from a checked checkpoint ``state``, or None if it holds none.
+    At another rank count new rank ``r'`` takes the sum of each residual over the saved
+    ranks ``r`` with ``r mod p' == r'`` (the error mass is kept, as for the residuals);
+    the steps are the same on every rank: rank 0's."""
+    saved = [{str(k): np.array(_flat(v), copy=True) for k, v in entry.get("adam", {}).items()}
+             for entry in state["ranks"]]
+    if not any(saved):
+        return None
+    if any(set(s) != set(saved[0]) or any(s[k].shape != v.shape or s[k].dtype != v.dtype
+                                           for k, v in saved[0].items()) for s in saved):
+        raise ConfigError("the saved ranks' Adam-route residuals differ in names or sizes")
+    if len(saved) == p_new:
+        return saved[rank]
+    mine = [s for r, s in enumerate(saved) if r % p_new == rank]
+    return {k: sum((s[k] for s in mine), np.zeros_like(v)) if k.startswith("residual/")
+            else v for k, v in saved[0].items()}
+
+
 def residuals_of(entry: Mapping[str, Any], rank: int) -> ParameterResiduals:
     """One saved rank's residuals (``state_dict()["ranks"][rank]``)."""
     r = ParameterResiduals(True)
@@ -196,7 +217,7 @@ def _flat(v: Any) -> np.ndarray:
 # name, dtype, count], ...], "meta": {...}}, then the raw arrays in header order. No pickle.
 _MAX_STATE_HEADER = 1 << 26
 #: array groups of a rank's state and the dtype kinds each may hold
-_GROUPS = {"residuals": "f", "extra": "fiu", "velocity": "f", "previous": "f"}
+_GROUPS = {"residuals": "f", "extra": "fiu", "velocity": "f", "previous": "f", "adam": "fi"}
 
 
 def pack_local(groups: Mapping[str, Mapping[str, np.ndarray]],
@@ -247,5 +268,5 @@ def unpack_local(block: np.ndarray, rank: int
 
 
 __all__ = ["STATE_FORMAT", "STATE_VERSION", "check_config", "collect", "pack_local", "residuals_of", "restore",
-           "restore_momentum",
+           "restore_adam", "restore_momentum",
            "unpack_local"]

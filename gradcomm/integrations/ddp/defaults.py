@@ -26,6 +26,9 @@ from typing import Any
 DENSE_WARMUP = 150
 #: the codecs ``start_iter="auto"`` runs :data:`DENSE_WARMUP` dense steps first for
 WARMUP_CODECS = ("topk", "randomk", "powersgd")
+#: plain Adam steps before 1-bit Adam's compressed ones (``OneBitAdam`` and the hook's
+#: Adam route); measured in bench/converge.py (bench/RESULTS.md, issue 13)
+DEFAULT_WARMUP = 100
 #: steps per stage of the sparsity ramp that ``ramp="auto"`` gives topk below 1 %
 SPARSE_RAMP = 25
 #: ``make_comm_hook("powersgd")``'s rank (rank 1, the codec's default, fell short of
@@ -78,6 +81,6 @@ def default_start_iter(codec: Any) -> int:
     return DENSE_WARMUP if codec is not None and codec.name in WARMUP_CODECS else 0
 
 
-__all__ = ["DENSE_WARMUP", "POWERSGD_RANK", "RANDOMK_RATIO", "SPARSE_RAMP", "WARMUP_CODECS",
+__all__ = ["DEFAULT_WARMUP", "DENSE_WARMUP", "POWERSGD_RANK", "RANDOMK_RATIO", "SPARSE_RAMP", "WARMUP_CODECS",
            "default_options",
            "default_ramp", "default_start_iter"]

@@ -33,8 +33,10 @@ from ...compressed.guard import DEFAULT_BOUND, check_bound, default_clip
 from ...errors import ConfigError, GradcommError
 from . import checkpoint
 from . import lifecycle
+from .adam import AdamSlot, adam_codec, is_adam
 from .groups import resolve_transports
 from .defaults import default_options, default_ramp, default_start_iter
+from .names import ParameterNames
 from .momentum import (CORRECTED_CODECS, MASKED_CODECS, SGD_FEEDBACK_CODECS, OptimizerWatch, feedback_with,
                        found_momentum, momentum_correction, restored, momentum_safe)
 from .ramp import SparsityRamp
@@ -42,10 +44,6 @@ from .replay import Replay
 from .residuals import ParameterResiduals
 from .routes import Routes
 from .worker import Worker
-
-
-class UnboundModelWarning(UserWarning):
-    """The hook names parameters by position because no model was bound."""
 
 
 class CommHookState:
@@ -75,11 +73,14 @@ class CommHookState:
         self.compressor = self.reduction.compressor
         if ramp == "auto":
             ramp = default_ramp(self.compressor)
+        auto_start = start_iter == "auto"
         if start_iter == "auto":
             start_iter = default_start_iter(self.compressor)
         if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
             raise ConfigError(f"start_iter must be an int >= 0 or 'auto', got {start_iter!r}")
         self.algorithm, self.start_iter = algorithm, start_iter
+        #: the Adam route (:mod:`.adam`), its warm-up (``start_iter`` if given)
+        self.adam = AdamSlot(None if auto_start else max(1, start_iter))
         self.seed = int(self.reduction.seed or 0)
         self.error_feedback = bool(error_feedback)
         self._transports = resolve_transports(transport, process_group, timeout)
@@ -96,9 +97,11 @@ class CommHookState:
             if c is not None and c.lossy and (c.name in SGD_FEEDBACK_CODECS or (
                     momentum is None and c.name in CORRECTED_CODECS)):
                 self._watch = OptimizerWatch(self, CommHookState._found_optimizer)
-        mc = momentum_correction(c, momentum, optimizer)
+        adam = optimizer is not None and adam_codec(c) and is_adam(optimizer)
+        mc = None if adam else momentum_correction(c, momentum, optimizer)
         #: ``clip="auto"``: the clip follows the momentum correction the hook finds
         self._auto_clip = clip == "auto" and guard and self.error_feedback
+        self._guard = bool(guard)
         if clip == "auto":
             clip = default_clip(c, momentum_safe(mc, optimizer)) if self._auto_clip else None
         self.routes = Routes(messages, self._transports.library, self.reduction,
@@ -108,9 +111,7 @@ class CommHookState:
                              stateful=self._watch is not None,
                              ramp=None if ramp is None else SparsityRamp(c, ramp, start_iter))
         self.iter = 0
-        self._names: dict[int, str] | None = None
-        self._position: dict[int, str] = {}
-        self._warned_unbound = False
+        self.names = ParameterNames()
         self._layout: list[list[str]] = []      # units of the last completed iteration
         self._current: list[list[str]] = []     # units of the iteration in progress
         self._replay: list[list[str]] | None = None
@@ -120,6 +121,8 @@ class CommHookState:
         self._closed = False
         self._worker = Worker(messages.timeout)
         self._finalizer = weakref.finalize(self, self._worker.queue.put, None)
+        if adam:
+            self._adam_start(optimizer)
         lifecycle.register(self)
         if model is not None:
             self.bind(model)
@@ -139,46 +142,31 @@ class CommHookState:
         """``buckets``, ``bytes_sent``, ``native_nbytes``, ``comm_seconds`` so far."""
         return self.routes.stats
 
-    # -- parameter names -------------------------------------------------------------------
     def bind(self, model: Any) -> CommHookState:
         """Name residuals after ``model``'s parameters (a DDP model or the module it wraps).
 
         Returns the state, so ``make_comm_hook(...)[0].bind(model)`` chains.
         """
-        module = getattr(model, "module", model)
-        try:
-            named = list(module.named_parameters())
-        except AttributeError:
-            raise ConfigError(f"bind() needs a torch.nn.Module or DDP model, got "
-                              f"{type(model).__qualname__}") from None
-        self._names = {id(p): name for name, p in named}
+        self.names.bind(model)
         return self
 
-    def _keys(self, params: Sequence[Any]) -> list[str]:
-        if self._names is not None:
-            try:
-                return [self._names[id(p)] for p in params]
-            except KeyError:
-                raise ConfigError("a bucket holds a parameter that is not in the bound "
-                                  "model; bind the model that DDP wraps") from None
-        if not self._warned_unbound:
-            self._warned_unbound = True
-            warnings.warn("make_comm_hook: no model bound; residuals are keyed by parameter "
-                          "position ('param.<i>'). Pass model= (or state.bind(model)) so that "
-                          "checkpoints name parameters", UnboundModelWarning, stacklevel=3)
-        keys = []
-        for p in params:
-            k = self._position.get(id(p))
-            if k is None:
-                k = self._position[id(p)] = f"param.{len(self._position)}"
-            keys.append(k)
-        return keys
+    def _adam_start(self, optimizer: Any) -> None:
+        """Take the Adam route for ``optimizer`` (on the worker: the gradient route's
+        residuals of the backward passes before it are dropped)."""
+        def start() -> None:
+            self.residuals._residuals.clear()
+            self.adam.start(optimizer, self.transport, self.compressor, self.seed,
+                            self._guard, self._call, self.stats)
+        self._call(start)
 
     def _found_optimizer(self, optimizer: Any) -> None:
-        """The watch's callback (in ``optimizer.step()``, between iterations): turn on
-        momentum correction for ``optimizer`` unless a checkpoint already restored it, or
-        turn error feedback off (:data:`~.momentum.SGD_FEEDBACK_CODECS`)."""
+        """The watch's callback (in ``optimizer.step()``, between iterations): take the
+        Adam route (:mod:`.adam`) for Adam/AdamW, or turn on momentum correction for
+        ``optimizer`` unless a checkpoint already restored it, or turn error feedback off
+        (:data:`~.momentum.SGD_FEEDBACK_CODECS`)."""
         c = self.compressor
+        if adam_codec(c) and is_adam(optimizer):
+            return self._adam_start(optimizer)
         mc = found_momentum(c, None, optimizer) if c.name in CORRECTED_CODECS else None
         feedback = feedback_with(c, optimizer)
 
@@ -223,6 +211,7 @@ class CommHookState:
         self._closed = True
         if self._watch is not None:
             self._watch.remove()
+        self.adam.remove()
         lifecycle.forget(self)
         self._worker.close()
         for t in self._transports.own_transports:
@@ -273,6 +262,9 @@ class CommHookState:
                 self.routes.library_finish(buf, work)
                 self.stats["buckets"] += 1
                 self._current.append(keys)
+                ready = [(fut, buf)]
+            elif self.adam.local():
+                self._current.append(keys)     # Adam's route: the optimizer communicates
                 ready = [(fut, buf)]
             elif self._replay is not None or self._pending is not None:
                 ready = self._replay_bucket(buf, keys, lengths, fut, last)
@@ -336,7 +328,7 @@ class CommHookState:
         """Whether this iteration's buckets are compressed (a lossy codec, past
         ``start_iter``)."""
         return (self.compressor is not None and self.compressor.lossy
-                and self.iter >= self.start_iter)
+                and not self.adam.active and self.iter >= self.start_iter)
 
     def _hook_library(self, buf: Any) -> Any:
         """On the autograd thread: start the device group's allreduce of bucket ``buf`` if
@@ -345,7 +337,8 @@ class CommHookState:
         with ``find_unused_parameters``, ...) on every rank; issued from the worker they
         could interleave differently on different ranks and hang NCCL. A new shape is
         first agreed on the worker (after the buckets queued before it)."""
-        if self.library is None or self._replay is not None or self._pending is not None:
+        if self.library is None or self._replay is not None or self._pending is not None or \
+                self.adam.local():
             return None                     # a replayed layout: the worker groups units
         meta = arrays.meta_of(buf)
         compressed = self._compressing()
@@ -379,8 +372,9 @@ class CommHookState:
     def _state_dict(self, rank0_only: bool) -> dict[str, Any]:
         t = self.transport
         mc = self.routes.momentum
-        ranks = checkpoint.collect(t, self.residuals, rank0_only,
-                                   None if mc is None else mc.local_state())
+        groups = {**({} if mc is None else mc.local_state()),
+                  **self.adam.local_state()}
+        ranks = checkpoint.collect(t, self.residuals, rank0_only, groups)
         if ranks is None:
             return {}
         return {
@@ -391,6 +385,7 @@ class CommHookState:
             "ranks": ranks,
             "momentum": None if mc is None else mc.config(),
             "feedback": self.residuals.enabled,
+            "adam": self.adam.config(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -408,12 +403,14 @@ class CommHookState:
         restored = checkpoint.restore(state, self.transport.size, self.transport.rank)
         velocity = checkpoint.restore_momentum(state, self.transport.size,
                                                self.transport.rank)
+        adam = checkpoint.restore_adam(state, self.transport.size, self.transport.rank)
         layout = [list(map(str, u)) for u in state.get("layout", [])]
 
         def apply() -> None:
             self.residuals.restore(restored)
             if velocity is not None:
                 self._restore_momentum(*velocity)
+            self.adam.load(adam, state.get("adam"))
             if not state.get("feedback", True) and self._watch is not None and \
                     self.compressor.name in SGD_FEEDBACK_CODECS:
                 self._watch.remove()         # the saved run had found its optimizer
@@ -421,8 +418,9 @@ class CommHookState:
             self.iter = int(state["iter"])
             self.routes.checked.clear()
             self._replay = None
-            if layout and self._names is not None:
-                if {k for u in layout for k in u} <= set(self._names.values()):
+            named = self.names.names
+            if layout and named is not None:
+                if {k for u in layout for k in u} <= set(named.values()):
                     self._replay = layout
                 else:
                     warnings.warn("the checkpoint's bucket layout names parameters the bound "
@@ -460,7 +458,7 @@ def comm_hook(state: CommHookState, bucket):  # type: ignore[no-untyped-def]
 
     fut: Any = torch.futures.Future()
     params = bucket.parameters()
-    keys = state._keys(params)
+    keys = state.names.keys(params)
     if state._watch is not None and state._watch.watching:
         state._watch.params.update(id(p) for p in params)
     lengths = [int(p.numel()) for p in params]

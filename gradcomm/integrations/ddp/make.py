@@ -68,11 +68,14 @@ def make_comm_hook(compressor: Any = None, *, algorithm: str = "auto",
             performs DGC's update. These codecs need it: their error feedback holds
             mass back for many steps, and SGD's momentum then amplifies the stale
             updates (top-k loses accuracy, random-k diverges; bench/RESULTS.md).
-            Other codecs' errors are small and fresh: not applied. Adam cannot be
-            corrected (a warning says so): use
-            :class:`gradcomm.integrations.onebit_adam.OneBitAdam`. ``terngrad`` keeps
-            error feedback with SGD (it diverges without) and drops it for any other
-            optimizer (Adam loses points to it).
+            Other codecs' errors are small and fresh: not applied. A
+            ``torch.optim.Adam`` or ``AdamW`` takes the hook's **Adam route** for
+            ``topk``, ``randomk``, ``onebit`` and ``terngrad`` (:mod:`.adam`: 1-bit
+            Adam on the user's optimizer: ``start_iter`` (default 100) plain Adam
+            steps, then the variance frozen and each rank's preconditioned momentum
+            averaged through the codec at ``step()``; compressed Adam *gradients*
+            cost these codecs 1.2 to 6 points). ``terngrad`` keeps error feedback
+            with SGD (it diverges without) and drops it for any other optimizer.
         momentum: hook-side momentum correction without ``optimizer``: the hook keeps
             the velocity (factor ``momentum``) and returns the reduced velocity; use it
             with momentum-free SGD.
@@ -101,13 +104,11 @@ def make_comm_hook(compressor: Any = None, *, algorithm: str = "auto",
     (momentum correction for topk, randomk and onebit with SGD; TernGrad's error feedback
     with SGD only); topk, randomk and powersgd run 150 dense steps first, and top-k below
     1 % then ramps its sparsity; random-k
-    defaults to 25 %. With
-    Adam/AdamW the hook compresses Adam's gradients, which costs points for the
-    sparsifiers, onebit and TernGrad (it warns when it finds the optimizer): use
-    ``OneBitAdam(params, compressor=name)``
-    (:class:`~gradcomm.integrations.onebit_adam.OneBitAdam`, with its
-    ``onebit_adam_hook``), which compresses the preconditioned momentum after a dense
-    warm-up, with any codec.
+    defaults to 25 %. With Adam/AdamW the sparsifiers, onebit and TernGrad take the Adam
+    route (above); fp16, bf16, int8, qsgd and powersgd compress Adam's gradients (within
+    a point of uncompressed AdamW). ``OneBitAdam(params, compressor=name)``
+    (:class:`~gradcomm.integrations.onebit_adam.OneBitAdam`) is the same mechanism as an
+    optimizer, for any codec.
 
     See the module docstring for the steps, checkpoints and parity.
     """

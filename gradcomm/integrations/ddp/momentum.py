@@ -61,23 +61,23 @@ MASKED_CODECS = ("topk", "randomk")
 CORRECTED_CODECS = ("topk", "randomk", "onebit")
 #: codecs whose error feedback the hook turns off when the optimizer it finds is not SGD:
 #: TernGrad's residual, released at the block's scale, trains SGD + momentum (without it
-#: TernGrad diverges) but costs Adam's per-coordinate steps (bench/RESULTS.md, issue 13)
+#: TernGrad diverges) but cost Adam's per-coordinate steps on the gradient route
+#: (bench/RESULTS.md, issue 13; Adam and AdamW now take the Adam route, :mod:`.adam`)
 SGD_FEEDBACK_CODECS = ("terngrad",)
 
 
 def optimizer_momentum(optimizer: Any) -> float:
     """The momentum ``torch.optim.SGD`` ``optimizer`` applies (every param group alike;
-    0.0 for other optimizers, with a warning: the hook cannot undo Adam's moments, use
-    :mod:`gradcomm.integrations.onebit_adam`), or ConfigError for SGD settings the hook
-    cannot undo (dampening, Nesterov, groups that differ)."""
+    0.0 for other optimizers, with a warning; Adam and AdamW take the hook's Adam route
+    instead, :mod:`.adam`), or ConfigError for SGD settings the hook cannot undo
+    (dampening, Nesterov, groups that differ)."""
     import torch
 
     if not isinstance(optimizer, torch.optim.SGD):
         warnings.warn(f"make_comm_hook(optimizer=...): momentum correction works with "
-                      f"torch.optim.SGD, not {type(optimizer).__qualname__}; it is off. For "
-                      "Adam use gradcomm.integrations.onebit_adam.OneBitAdam(params, "
-                      "compressor=<this codec>) with onebit_adam_hook: it compresses Adam's "
-                      "momentum after a dense warm-up",
+                      f"torch.optim.SGD, not {type(optimizer).__qualname__}; it is off "
+                      "(torch.optim.Adam and AdamW take the hook's Adam route: "
+                      "gradcomm.integrations.ddp.adam)",
                       UserWarning, stacklevel=4)
         return 0.0
     found = {(float(g.get("momentum", 0.0)), float(g.get("dampening", 0.0)),
@@ -266,9 +266,9 @@ def feedback_with(codec: Any, optimizer: Any) -> bool:
     if codec.name not in SGD_FEEDBACK_CODECS or isinstance(optimizer, torch.optim.SGD):
         return True
     warnings.warn(f"make_comm_hook: {codec.name}'s error feedback is off with "
-                  f"{type(optimizer).__qualname__} (it costs Adam points); for Adam use "
-                  f"gradcomm.integrations.onebit_adam.OneBitAdam(params, compressor="
-                  f"{codec.name!r}) with onebit_adam_hook", UserWarning, stacklevel=4)
+                  f"{type(optimizer).__qualname__} (it cost Adam points on the gradient "
+                  f"route; torch.optim.Adam and AdamW take the hook's Adam route: "
+                  f"gradcomm.integrations.ddp.adam)", UserWarning, stacklevel=4)
     return False
 
 

@@ -66,13 +66,11 @@ from typing import Any, Iterable
 
 import torch
 
-from .._allreduce import Allreduce
-from ..errors import ConfigError
-from .ddp.defaults import default_options, default_ramp
-from .ddp.ramp import SparsityRamp
+from ..._allreduce import Allreduce
+from ...errors import ConfigError
+from .defaults import DEFAULT_WARMUP, default_options, default_ramp
+from .ramp import SparsityRamp
 
-#: default warm-up (dense Adam) steps; measured in bench/converge.py (bench/RESULTS.md)
-DEFAULT_WARMUP = 100
 #: ``ramp="auto"``'s steps per sparsity stage for top-k below 1 % (25 and 50 fell short
 #: of uncompressed AdamW at p = 4 on the synthetic task: bench/RESULTS.md, issue 13)
 DEFAULT_RAMP = 75
@@ -87,7 +85,7 @@ class OneBitAdam(torch.optim.Optimizer):
     rank's momentum becomes the averaged one, 1-bit Adam's way), ``"local"`` (each rank
     keeps its own; error feedback carries what was not sent) or ``"auto"``: local for a
     sparse codec (top-k), average for the others. ``ramp``: steps per stage of DGC's
-    sparsity warm-up after the dense steps (:class:`~.ddp.ramp.SparsityRamp`: a
+    sparsity warm-up after the dense steps (:class:`~.ramp.SparsityRamp`: a
     ``ratio=`` sparsifier sends 25 %, 6.25 %, 1.6 %, 0.4 % before its own ratio; the
     stages share the residuals), None for none, or ``"auto"``: :data:`DEFAULT_RAMP` for
     top-k below 1 %, else none. All parameters must be on every rank in the same order
@@ -134,6 +132,25 @@ class OneBitAdam(torch.optim.Optimizer):
         #: other users, such as torch's default group, counts theirs too)
         self.stats = {"bytes_sent": 0}
 
+    @classmethod
+    def over(cls, optimizer: Any, comm: Any, *, warmup_steps: int, compressor: Any,
+             guard: bool = True, **options: Any) -> OneBitAdam:
+        """A OneBitAdam that continues ``optimizer`` (``torch.optim.Adam`` or ``AdamW``)
+        after ``warmup_steps`` of its own steps: the same param groups (hyperparameters,
+        so learning-rate schedulers apply) and the same state (``exp_avg``,
+        ``exp_avg_sq``, ``step``: the user's ``optimizer.state_dict()`` keeps them). Its
+        :meth:`step` is only for the compressed steps (the DDP hook's Adam route,
+        :mod:`gradcomm.integrations.ddp.adam`); Adam's coupled weight decay goes into the
+        local gradient, AdamW's is decoupled as here."""
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        g0 = optimizer.param_groups[0]
+        inner = cls(params, comm, lr=float(g0["lr"]), betas=g0["betas"], eps=g0["eps"],
+                    weight_decay=g0["weight_decay"], warmup_steps=warmup_steps,
+                    compressor=compressor, guard=guard, **options)
+        inner.param_groups, inner.state = optimizer.param_groups, optimizer.state
+        inner.hooked = True
+        return inner
+
     @property
     def compressing(self) -> bool:
         """Whether the next step averages the momentum through the codec."""
@@ -160,20 +177,26 @@ class OneBitAdam(torch.optim.Optimizer):
         for p in params:
             n = p.numel()
             st = self.state[p]
-            if not st:
-                st["exp_avg"] = torch.zeros(n, dtype=torch.float32, device=p.device)
-                st["exp_avg_sq"] = torch.zeros(n, dtype=torch.float32, device=p.device)
+            if "exp_avg" not in st:
+                st["exp_avg"] = torch.zeros_like(p, dtype=torch.float32,
+                                                 memory_format=torch.contiguous_format)
+                st["exp_avg_sq"] = torch.zeros_like(st["exp_avg"])
+            if "step" in st:            # torch's Adam state (see over()): count it
+                st["step"] += 1
             group = self._group(p)
             b1, b2 = group["betas"]
             gi = g[offset:offset + n]
-            st["exp_avg"].mul_(b1).add_(gi, alpha=1 - b1)
+            if not group.get("decoupled_weight_decay", True) and group["weight_decay"]:
+                gi = gi.add(p.detach().reshape(-1).float(),     # Adam's L2, on the local
+                            alpha=group["weight_decay"])        # gradient (same p everywhere)
+            m, v = st["exp_avg"].view(-1), st["exp_avg_sq"].view(-1)
+            m.mul_(b1).add_(gi, alpha=1 - b1)
             if not compressing:
-                st["exp_avg_sq"].mul_(b2).addcmul_(gi, gi, value=1 - b2)
+                v.mul_(b2).addcmul_(gi, gi, value=1 - b2)
             else:       # frozen, but never below Adam's floor for this gradient
-                torch.maximum(st["exp_avg_sq"], torch.mul(gi, gi).mul_(1 - b2),
-                              out=st["exp_avg_sq"])
-            ms.append(st["exp_avg"])
-            denoms.append((st["exp_avg_sq"] / (1 - b2 ** t)).sqrt_().add_(group["eps"]))
+                torch.maximum(v, torch.mul(gi, gi).mul_(1 - b2), out=v)
+            ms.append(m)
+            denoms.append((v / (1 - b2 ** t)).sqrt_().add_(group["eps"]))
             offset += n
         updates = None
         if compressing:     # average the local momenta, preconditioned, through the codec
@@ -190,11 +213,12 @@ class OneBitAdam(torch.optim.Optimizer):
         for i, (p, mi, d) in enumerate(zip(params, ms, denoms)):
             group = self._group(p)
             b1 = group["betas"][0]
-            if group["weight_decay"]:
-                p.mul_(1 - group["lr"] * group["weight_decay"])
+            lr = float(group["lr"])
+            if group["weight_decay"] and group.get("decoupled_weight_decay", True):
+                p.mul_(1 - lr * group["weight_decay"])
             step = (mi / d if updates is None else updates[i].clone()).div_(
                 1 - b1 ** self.steps)
-            p.add_(step.view_as(p).to(p.dtype), alpha=-group["lr"])
+            p.add_(step.view_as(p).to(p.dtype), alpha=-lr)
         return loss
 
     def _codec_allreduce(self) -> Allreduce:

@@ -48,12 +48,23 @@ def test_sgd_turns_on_momentum_correction_for_the_sparsifiers_and_onebit():
 
 def test_terngrad_keeps_error_feedback_with_sgd_only():
     sgd = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)   # noqa: E731
-    adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-3)             # noqa: E731
+    rmsprop = lambda ps: torch.optim.RMSprop(ps, lr=1e-3)         # noqa: E731
     assert _found("terngrad", sgd) == (True, None, True, False)
-    with pytest.warns(UserWarning, match="OneBitAdam"):
-        assert _found("terngrad", adamw) == (True, None, False, False)
-    with pytest.warns(UserWarning, match="not AdamW"):
-        assert _found("topk", adamw) == (True, None, True, False)
+    with pytest.warns(UserWarning, match="error feedback is off"):
+        assert _found("terngrad", rmsprop) == (True, None, False, False)
+    with pytest.warns(UserWarning, match="not RMSprop"):
+        assert _found("topk", rmsprop) == (True, None, True, False)
+
+
+def test_adam_takes_the_adam_route_silently_for_the_codecs_that_need_it():
+    # tests/integrations/ddp/test_ddp_adam.py checks the route itself
+    import warnings
+
+    adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-3)             # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for codec in ("topk", "randomk", "onebit", "terngrad"):
+            assert _found(codec, adamw) == (True, None, True, False), codec
 
 
 def test_an_optimizer_the_hook_cannot_undo_warns_inside_step():
@@ -115,10 +126,10 @@ def test_random_k_is_clipped_hard_until_no_sgd_momentum_can_amplify_it():
     # ratio 0.25 (the hook's default): 0.1 while an SGD momentum may act on stale mass,
     # 1 once the hook corrects it or finds a non-SGD optimizer
     sgd = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)   # noqa: E731
-    adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-3)             # noqa: E731
+    rmsprop = lambda ps: torch.optim.RMSprop(ps, lr=1e-3)         # noqa: E731
     assert _clip(sgd) == (0.1, 1.0)
-    with pytest.warns(UserWarning, match="not AdamW"):
-        assert _clip(adamw) == (0.1, 1.0)
+    with pytest.warns(UserWarning, match="not RMSprop"):
+        assert _clip(rmsprop) == (0.1, 1.0)
     assert _clip(sgd, optimizer=None) == (0.1, 0.1)
     assert _clip(sgd, clip=0.3) == (0.3, 0.3)
     assert _clip(sgd, ratio=0.01) == (0.1, 0.1)                 # sqrt(ratio) below 25 %

@@ -12,8 +12,9 @@ Checks (each appends to ``errors`` instead of stopping the others):
 * ``train=STEPS@CODEC[:opt=v;...],...``: every codec with its defaults trains a small teacher-student task; the final
   loss of each variant is reported next to the uncompressed one (the test judges it).
 * ``adam=STEPS@CODEC,...``: the same task with AdamW: uncompressed, each codec through
-  ``OneBitAdam(compressor=CODEC)`` (20 dense steps) and, for comparison, through the hook
-  (``make_comm_hook(CODEC)``, key ``hook:CODEC``); final losses reported.
+  ``OneBitAdam(compressor=CODEC)`` (20 dense steps), through the hook's Adam route
+  (``make_comm_hook(CODEC, start_iter=20)``, key ``hook:CODEC``) and through its gradient
+  route (``optimizer=None``, key ``gradient:CODEC``); final losses reported.
 
 Each rank prints ``RESULT {"rank": r, "errors": [...], "info": {...}}``.
 """
@@ -108,7 +109,10 @@ def train(codec, options: dict, steps: int, lr: float = 0.1, nan_step: int = -1,
 def train_adam(codec: str | None, steps: int, route: str = "onebitadam", lr: float = 0.01,
                batch: int = 32, warmup: int = 20) -> float:
     """AdamW on the teacher task: uncompressed (``codec`` None), through ``OneBitAdam``
-    (``route="onebitadam"``) or through the hook (``route="hook"``); the final loss."""
+    (``route="onebitadam"``), through the hook's defaults (``route="hook"``: it finds
+    AdamW and takes its Adam route, ``warmup`` dense steps) or through the hook's gradient
+    route (``route="gradient"``: ``optimizer=None``, Adam's gradients compressed from the
+    first step); the final loss."""
     from gradcomm.integrations.onebit_adam import OneBitAdam, onebit_adam_hook
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -123,8 +127,9 @@ def train_adam(codec: str | None, steps: int, route: str = "onebitadam", lr: flo
     else:
         opt = torch.optim.AdamW(ddp.parameters(), lr=lr)
         if codec is not None:
-            # compressed from the first step, as measured (not start_iter="auto"'s 150)
-            state, hook = make_comm_hook(codec, model=ddp, start_iter=0)
+            kw = {"start_iter": warmup} if route == "hook" else \
+                {"start_iter": 0, "optimizer": None}
+            state, hook = make_comm_hook(codec, model=ddp, **kw)
             ddp.register_comm_hook(state, hook)
     lossf = nn.CrossEntropyLoss()
     g = torch.Generator().manual_seed(7)
@@ -148,6 +153,7 @@ def check_adam(codecs: list[str], steps: int) -> None:
     for codec in codecs:
         out[codec] = train_adam(codec, steps)
         out["hook:" + codec] = train_adam(codec, steps, route="hook")
+        out["gradient:" + codec] = train_adam(codec, steps, route="gradient")
     INFO["adam"] = out
 
 

@@ -81,6 +81,7 @@ CHECKS: dict[str, tuple[str, ...]] = {
     "planned": _pytest("tests/compressed/test_planned.py"),
     "planned_pipeline": _pytest("tests/compressed/test_planned_pipeline.py"),
     "ddp_cast": _pytest("tests/integrations/ddp/test_ddp_cast.py"),
+    "ddp_adam": _pytest("tests/integrations/ddp/test_ddp_adam.py"),
     "ddp_exact": _pytest("tests/integrations/ddp/test_ddp_hook.py", "-k",
                          "independent_reduction"),
     "bench_p3": _bench(3),
@@ -99,6 +100,7 @@ _RAB = "gradcomm/collectives/rabenseifner.py"
 _DDP_ROUTES = "gradcomm/integrations/ddp/routes.py"
 _SEEDS = "gradcomm/compressed/seeds.py"
 _CAST = "gradcomm/integrations/ddp/cast.py"
+_ADAM = "gradcomm/integrations/ddp/adam.py"
 
 MUTANTS: tuple[Mutant, ...] = (
     # -- a misplaced segment in each dense algorithm
@@ -177,6 +179,15 @@ MUTANTS: tuple[Mutant, ...] = (
            "norm, not the input's (a runaway residual measured against itself)",
            (Patch(_CAST, "            g2 = float(tally[2])", "            g2 = float(tally[0])"),),
            ("ddp_cast",)),
+    Mutant("adam-own-step-too", "the hook's Adam route leaves the gradients in place, so "
+           "the user's Adam also steps on each rank's local gradient (ranks drift apart)",
+           (Patch(_ADAM, "            p.grad = None            # the optimizer's own update "
+                  "skips them", "            pass"),),
+           ("ddp_adam",)),
+    Mutant("adam-resume-residual-lost", "a checkpoint's momentum residuals are not given to "
+           "the Adam route it resumes (the resumed run drifts from the unbroken one)",
+           (Patch(_ADAM, "            self.route.load(self.saved)", "            pass"),),
+           ("ddp_adam",)),
     Mutant("cast-residual-dropped", "the cast route's fused pass encodes x without the "
            "residual (error feedback silently off on the hook's 16-bit route)",
            (Patch(_CAST, "                residual=residual[a:b] if fused else None,",

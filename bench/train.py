@@ -176,7 +176,8 @@ def train_variant(v: dict[str, Any], args: argparse.Namespace, data, rank: int,
         state, hook = make_comm_hook(codec, algorithm=v["algorithm"], model=ddp, **kw)
         ddp.register_comm_hook(state, hook)
 
-    opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
+    opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9) \
+        if args.optim == "sgd" else torch.optim.AdamW(ddp.parameters(), lr=args.adamw_lr)
     lossf = torch.nn.CrossEntropyLoss()
     try:
         ddp.train()
@@ -464,7 +465,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=32, help="samples per rank per step")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--warmup", type=int, default=10, help="untimed first steps")
-    ap.add_argument("--lr", type=float, default=0.02)
+    ap.add_argument("--lr", type=float, default=0.02, help="SGD's (momentum 0.9)")
+    ap.add_argument("--optim", default="sgd", choices=["sgd", "adamw"],
+                    help="with adamw the gc hook takes its Adam route for topk, randomk, "
+                    "onebit and terngrad (100 dense steps first: time after them, "
+                    "--warmup 110)")
+    ap.add_argument("--adamw-lr", type=float, default=1e-3)
     ap.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per collective")

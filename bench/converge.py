@@ -60,10 +60,11 @@ EPOCHS = {"digits": 15, "synthetic": 3}
 
 # ------------------------------------------------------------------ one training run
 def residual_norm(state: Any) -> float:
-    """sqrt of the sum of squares of every residual this rank's hook holds (hops too)."""
+    """sqrt of the sum of squares of every residual this rank's hook holds (hops too,
+    and the Adam route's momentum residuals)."""
     if state is None:
         return 0.0
-    return math.sqrt(state.residuals.sq_norm())
+    return math.sqrt(state.residuals.sq_norm() + state.adam.sq_norm())
 
 
 #: the tensors of this rank's last collective (see rank_main's end)

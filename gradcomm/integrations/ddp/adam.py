@@ -200,6 +200,13 @@ class AdamSlot:
         """This rank's checkpoint group (:meth:`AdamRoute.local_state`), or none."""
         return {} if self.route is None else self.route.local_state()
 
+    def sq_norm(self) -> float:
+        """The squared norm of this rank's momentum residuals (0 before the route)."""
+        import numpy as np
+
+        return sum(float(np.dot(v.astype(np.float64), v)) for k, v in
+                   self.local_state().get("adam", {}).items() if k.startswith("residual/"))
+
     def config(self) -> dict[str, bool] | None:
         """``state_dict()["adam"]``: whether the route was compressing, or None."""
         return None if self.route is None else {"compressing": self.route.compressing}

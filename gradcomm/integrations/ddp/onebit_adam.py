@@ -127,6 +127,7 @@ class OneBitAdam(torch.optim.Optimizer):
         self.local = momentum == "local" or (momentum == "auto" and self.allreduce.compressor
                                              is not None and self.allreduce.compressor.sparse)
         self.steps = 0
+        self._scratch: dict[str, torch.Tensor] = {}
         self.hooked = False          # set by onebit_adam_hook: DDP averages the warm-up
         #: ``bytes_sent`` by this optimizer's own reductions (a transport shared with
         #: other users, such as torch's default group, counts theirs too)
@@ -159,22 +160,35 @@ class OneBitAdam(torch.optim.Optimizer):
     def _params(self) -> list[Any]:
         return [p for g in self.param_groups for p in g["params"]]
 
-    def _flat_grads(self, params: list[Any]) -> torch.Tensor:
-        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p))
-                          .detach().reshape(-1).float() for p in params])
+    def _grads(self, params: list[Any]) -> list[torch.Tensor]:
+        """Each parameter's gradient as a flat float32 tensor (a view where it is one)."""
+        return [(p.grad if p.grad is not None else torch.zeros_like(p))
+                .detach().reshape(-1).float() for p in params]
+
+    def _buffer(self, name: str, n: int, device: Any) -> torch.Tensor:
+        """A float32 scratch buffer of ``n`` elements kept between steps (fresh buffers of
+        the model's size each step cost page faults)."""
+        buf = self._scratch.get(name)
+        if buf is None or buf.numel() != n or buf.device != device:
+            buf = self._scratch[name] = torch.empty(n, dtype=torch.float32, device=device)
+        return buf
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         loss = closure() if closure is not None else None
         params = self._params()
-        g = self._flat_grads(params)
+        grads = self._grads(params)
         compressing = self.compressing
         if not compressing and not self.hooked:
-            g = self._reduce(self.dense, g)
+            g = self._reduce(self.dense, torch.cat(grads))
+            grads = list(torch.split(g, [p.numel() for p in params]))
+        total = sum(p.numel() for p in params)
+        device = params[0].device if params else "cpu"
+        denom, square = self._buffer("denom", total, device), self._buffer("square", total, device)
         offset = 0
         ms, denoms = [], []
         t = min(self.steps + 1, self.warmup_steps)     # v's bias correction freezes too
-        for p in params:
+        for p, gi in zip(params, grads):
             n = p.numel()
             st = self.state[p]
             if "exp_avg" not in st:
@@ -185,7 +199,6 @@ class OneBitAdam(torch.optim.Optimizer):
                 st["step"] += 1
             group = self._group(p)
             b1, b2 = group["betas"]
-            gi = g[offset:offset + n]
             if not group.get("decoupled_weight_decay", True) and group["weight_decay"]:
                 gi = gi.add(p.detach().reshape(-1).float(),     # Adam's L2, on the local
                             alpha=group["weight_decay"])        # gradient (same p everywhere)
@@ -194,30 +207,41 @@ class OneBitAdam(torch.optim.Optimizer):
             if not compressing:
                 v.mul_(b2).addcmul_(gi, gi, value=1 - b2)
             else:       # frozen, but never below Adam's floor for this gradient
-                torch.maximum(v, torch.mul(gi, gi).mul_(1 - b2), out=v)
+                sq = torch.mul(gi, gi, out=square[offset:offset + n]).mul_(1 - b2)
+                torch.maximum(v, sq, out=v)
+            d = torch.div(v, 1 - b2 ** t, out=denom[offset:offset + n]).sqrt_()
             ms.append(m)
-            denoms.append((v / (1 - b2 ** t)).sqrt_().add_(group["eps"]))
+            denoms.append(d.add_(group["eps"]))
             offset += n
         updates = None
         if compressing:     # average the local momenta, preconditioned, through the codec
-            z = self._reduce(self._codec_allreduce(),
-                             torch.cat([m / d for m, d in zip(ms, denoms)]), key="momentum")
+            x, offset = self._buffer("momentum", total, device), 0
+            for m, d in zip(ms, denoms):
+                torch.div(m, d, out=x[offset:offset + m.numel()])
+                offset += m.numel()
+            z = self._reduce(self._codec_allreduce(), x, key="momentum")
             offset, updates = 0, []
             for mi, d in zip(ms, denoms):
                 zi = z[offset:offset + mi.numel()]
                 offset += mi.numel()
                 updates.append(zi)      # the same bytes on every rank (their v may differ)
                 if not self.local:      # else the rank's own momentum stays as it is
-                    mi.copy_(zi * d)
+                    torch.mul(zi, d, out=mi)
         self.steps += 1
+        offset = 0
         for i, (p, mi, d) in enumerate(zip(params, ms, denoms)):
             group = self._group(p)
             b1 = group["betas"][0]
             lr = float(group["lr"])
             if group["weight_decay"] and group.get("decoupled_weight_decay", True):
                 p.mul_(1 - lr * group["weight_decay"])
-            step = (mi / d if updates is None else updates[i].clone()).div_(
-                1 - b1 ** self.steps)
+            step = square[offset:offset + mi.numel()]      # the floor's scratch, free now
+            offset += mi.numel()
+            if updates is None:
+                torch.div(mi, d, out=step)
+            else:
+                step.copy_(updates[i])
+            step.div_(1 - b1 ** self.steps)
             p.add_(step.view_as(p).to(p.dtype), alpha=-lr)
         return loss
 

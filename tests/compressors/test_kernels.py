@@ -331,3 +331,45 @@ def test_momentum_correction_kernels_match_the_reference(n: int, dtype) -> None:
     u, x = u0.copy(), x0.copy()
     assert want[0] == (u0 * dtype(m) + x0).tobytes() == want[1]
     assert want[2] == (o0 - p0 * dtype(m)).tobytes() and want[3] == o0.tobytes()
+
+
+@pytest.mark.parametrize("n", COUNTS + (1 << 16,))
+def test_onebit_adam_kernels_match_the_reference_and_torch(n: int) -> None:
+    """1-bit Adam's compressed step (integrations/ddp/onebit_adam.py): the variance's
+    floor and bias correction, the preconditioned momentum, the released average. The
+    numba twin and the array-generic path give the reference's bytes, and the reference
+    gives the bytes of the torch operations OneBitAdam used before (``torch.maximum(v,
+    g * g * c2)``, ``v / bc2``, ``d + eps``, ``m / d``, ``z * d``, ``z / bc1``), NaN in
+    ``v`` or ``g`` included (planted: ``maximum`` keeping ``v`` where ``g`` is NaN
+    fails it; NaN payloads are not compared)."""
+    torch = pytest.importorskip("torch")
+    XP = _kernels.get("xp") if "xp" in _kernels.available() else None
+    f = np.float32
+    g0 = nasty(n, 5).astype(f)
+    v0 = np.abs(specials(n, np.inf, 6)).astype(f)
+    if n > 3:
+        g0[1], v0[2] = np.nan, np.nan
+    m0, z0 = nasty(n, 7).astype(f), nasty(n, 8).astype(f)
+    c2, bc2, eps, bc1 = 1 - 0.999, 1 - 0.999 ** 37, 1e-8, 1 - 0.9 ** 5
+
+    def run(mod, wrap):
+        g, v, m, z = (wrap(a.copy()) for a in (g0, v0, m0, z0))
+        d, x, step = (wrap(np.zeros(n, f)) for _ in range(3))
+        mod.adam_floor_denom(g, v, d, c2, bc2)
+        mod.adam_precondition(m, d, x, eps)
+        mod.adam_release(z, d, m, step, bc1, True)
+        return [canon(np.asarray(a)) for a in (v, d, x, m, step)]
+
+    def canon(a: np.ndarray) -> bytes:       # NaN payloads differ between engines
+        return np.where(np.isnan(a), np.float32(np.nan), a).tobytes()
+
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        want = run(NP, lambda a: a)
+        assert run(NB, lambda a: a) == want
+        if XP is not None:
+            assert run(XP, torch.from_numpy) == want
+    G, V, M, Z = (torch.from_numpy(a.copy()) for a in (g0, v0, m0, z0))
+    torch.maximum(V, torch.mul(G, G).mul_(c2), out=V)
+    D = torch.div(V, bc2).add_(eps)
+    X = M / D
+    assert [canon(t.numpy()) for t in (V, D, X, Z * D, Z / bc1)] == want

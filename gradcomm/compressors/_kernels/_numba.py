@@ -1045,6 +1045,61 @@ def momentum_undo(o, prev, now, m):
     _momentum_undo(o.reshape(-1), prev.reshape(-1), now.reshape(-1), o.dtype.type(m))
 
 
+# --- 1-bit Adam's compressed step -------------------------------------------------------------
+
+@njit(**_JIT)
+def _adam_floor_denom(g, v, d, c2, bc2):
+    for i in range(v.size):
+        s = g[i] * g[i] * c2
+        w = v[i]
+        if w == w and (s != s or s > w):      # numpy's maximum: NaN from either side
+            w = s
+        v[i] = w
+        d[i] = w / bc2
+
+
+@njit(**_JIT)
+def _adam_precondition(m, d, x, eps):
+    for i in range(m.size):
+        e = d[i] + eps
+        d[i] = e
+        x[i] = m[i] / e
+
+
+@njit(**_JIT)
+def _adam_release(z, d, m, step, bc1, replace):
+    for i in range(z.size):
+        if replace:
+            m[i] = z[i] * d[i]
+        step[i] = z[i] / bc1
+
+
+def adam_floor_denom(g, v, d, c2, bc2):
+    """:func:`._numpy.adam_floor_denom` in one pass (flat float32 / float64)."""
+    if not _flat_pair(g, v, d):
+        from ._numpy import adam_floor_denom as reference
+        return reference(g, v, d, c2, bc2)
+    t = v.dtype.type
+    _adam_floor_denom(g.reshape(-1), v.reshape(-1), d.reshape(-1), t(c2), t(bc2))
+
+
+def adam_precondition(m, d, x, eps):
+    """:func:`._numpy.adam_precondition` in one pass."""
+    if not _flat_pair(m, d, x):
+        from ._numpy import adam_precondition as reference
+        return reference(m, d, x, eps)
+    _adam_precondition(m.reshape(-1), d.reshape(-1), x.reshape(-1), d.dtype.type(eps))
+
+
+def adam_release(z, d, m, step, bc1, replace):
+    """:func:`._numpy.adam_release` in one pass."""
+    if not _flat_pair(z, d, m, step):
+        from ._numpy import adam_release as reference
+        return reference(z, d, m, step, bc1, replace)
+    _adam_release(z.reshape(-1), d.reshape(-1), m.reshape(-1), step.reshape(-1),
+                  z.dtype.type(bc1), bool(replace))
+
+
 # --- topk / randomk ------------------------------------------------------------------------
 
 _SAMPLE = 1 << 14

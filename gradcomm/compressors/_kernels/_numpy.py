@@ -625,6 +625,31 @@ def velocity_in(u: np.ndarray, x: np.ndarray, m: float) -> None:
     np.copyto(x, u)
 
 
+def adam_floor_denom(g: np.ndarray, v: np.ndarray, d: np.ndarray, c2: float,
+                     bc2: float) -> None:
+    """``v = maximum(v, g * g * c2)``, then ``d = v / bc2`` (scalars in the dtype; NaN
+    propagates as numpy's ``maximum`` does)."""
+    t = v.dtype.type
+    np.multiply(g, g, out=d)
+    d *= t(c2)
+    np.maximum(v, d, out=v)
+    np.divide(v, t(bc2), out=d)
+
+
+def adam_precondition(m: np.ndarray, d: np.ndarray, x: np.ndarray, eps: float) -> None:
+    """``d += eps``, then ``x = m / d``."""
+    d += d.dtype.type(eps)
+    np.divide(m, d, out=x)
+
+
+def adam_release(z: np.ndarray, d: np.ndarray, m: np.ndarray, step: np.ndarray,
+                 bc1: float, replace: bool) -> None:
+    """``m = z * d`` if ``replace``, then ``step = z / bc1``."""
+    if replace:
+        np.multiply(z, d, out=m)
+    np.divide(z, z.dtype.type(bc1), out=step)
+
+
 def momentum_undo(o: np.ndarray, prev: np.ndarray, now: np.ndarray, m: float) -> None:
     """``now[...] = o``, then ``o -= prev * m`` (``m`` in the arrays' dtype; ``prev``
     holds the product afterwards)."""

@@ -128,6 +128,21 @@ class Kernels(Protocol):
         """``now[...] = o``, then ``o -= prev * m`` (``m`` rounded to the dtype first), in
         one pass where the path can; ``prev`` is scratch afterwards."""
 
+    # -- 1-bit Adam's compressed step (integrations/ddp/onebit_adam.py), float32 flat arrays
+    def adam_floor_denom(self, g: Any, v: Any, d: Any, c2: float, bc2: float) -> None:
+        """``v = maximum(v, g * g * c2)`` (the frozen variance, never below Adam's floor
+        for gradient ``g``), then ``d = v / bc2`` (its bias correction); scalars in the
+        arrays' dtype; one pass where the path can."""
+
+    def adam_precondition(self, m: Any, d: Any, x: Any, eps: float) -> None:
+        """``d += eps``, then ``x = m / d`` (the preconditioned momentum), one pass where
+        the path can (the square root of ``d`` is taken between the two calls)."""
+
+    def adam_release(self, z: Any, d: Any, m: Any, step: Any, bc1: float,
+                     replace: bool) -> None:
+        """``m = z * d`` if ``replace`` (the averaged momentum), then ``step = z / bc1``
+        (its bias correction), one pass where the path can."""
+
 
 class FusedKernels(Kernels, Protocol):
     """Encoders that also take ``residual`` e and ``decoded`` d (either may be None; d may

@@ -573,3 +573,26 @@ def momentum_undo(o, prev, now, m: float) -> None:
     _assign(now, o)
     prev *= m
     o -= prev
+
+
+def adam_floor_denom(g, v, d, c2: float, bc2: float) -> None:
+    """``v = maximum(v, g * g * c2)``, then ``d = v / bc2``, in place (one operation per
+    call, as numpy's)."""
+    xp = arrays.namespace(v)
+    _assign(d, g * g)
+    d *= c2
+    _assign(v, xp.maximum(v, d))
+    _assign(d, v / bc2)
+
+
+def adam_precondition(m, d, x, eps: float) -> None:
+    """``d += eps``, then ``x = m / d``, in place."""
+    d += eps
+    _assign(x, m / d)
+
+
+def adam_release(z, d, m, step, bc1: float, replace: bool) -> None:
+    """``m = z * d`` if ``replace``, then ``step = z / bc1``, in place."""
+    if replace:
+        _assign(m, z * d)
+    _assign(step, z / bc1)

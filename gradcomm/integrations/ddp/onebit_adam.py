@@ -67,6 +67,7 @@ from typing import Any, Iterable
 import torch
 
 from ..._allreduce import Allreduce
+from ...compressors import _kernels
 from ...errors import ConfigError
 from .defaults import DEFAULT_WARMUP, default_options, default_ramp
 from .ramp import SparsityRamp
@@ -74,6 +75,16 @@ from .ramp import SparsityRamp
 #: ``ramp="auto"``'s steps per sparsity stage for top-k below 1 % (25 and 50 fell short
 #: of uncompressed AdamW at p = 4 on the synthetic task: bench/RESULTS.md, issue 13)
 DEFAULT_RAMP = 75
+
+
+def _flat(t: torch.Tensor) -> Any:
+    """``t`` (flat, contiguous) as the kernels take it: a numpy view on the host."""
+    return t.numpy() if t.device.type == "cpu" else t
+
+
+def _kernels_of(t: torch.Tensor) -> Any:
+    """The kernel module for tensor ``t``'s elements (numba or numpy on the host)."""
+    return _kernels.for_array(_flat(t))
 
 
 class OneBitAdam(torch.optim.Optimizer):
@@ -204,29 +215,31 @@ class OneBitAdam(torch.optim.Optimizer):
                             alpha=group["weight_decay"])        # gradient (same p everywhere)
             m, v = st["exp_avg"].view(-1), st["exp_avg_sq"].view(-1)
             m.mul_(b1).add_(gi, alpha=1 - b1)
+            d = denom[offset:offset + n]
             if not compressing:
                 v.mul_(b2).addcmul_(gi, gi, value=1 - b2)
-            else:       # frozen, but never below Adam's floor for this gradient
-                sq = torch.mul(gi, gi, out=square[offset:offset + n]).mul_(1 - b2)
-                torch.maximum(v, sq, out=v)
-            d = torch.div(v, 1 - b2 ** t, out=denom[offset:offset + n]).sqrt_()
+                torch.div(v, 1 - b2 ** t, out=d).sqrt_().add_(group["eps"])
+            else:       # frozen, but never below Adam's floor for this gradient; the
+                # fused kernels are the bytes of the torch ops they replace
+                _kernels_of(v).adam_floor_denom(_flat(gi), _flat(v), _flat(d), 1 - b2,
+                                                1 - b2 ** t)
+                d.sqrt_()           # torch's square root (not correctly rounded: kept)
             ms.append(m)
-            denoms.append(d.add_(group["eps"]))
+            denoms.append(d)
             offset += n
         updates = None
         if compressing:     # average the local momenta, preconditioned, through the codec
             x, offset = self._buffer("momentum", total, device), 0
-            for m, d in zip(ms, denoms):
-                torch.div(m, d, out=x[offset:offset + m.numel()])
+            for m, d, p in zip(ms, denoms, params):
+                _kernels_of(m).adam_precondition(_flat(m), _flat(d),
+                                                 _flat(x[offset:offset + m.numel()]),
+                                                 self._group(p)["eps"])
                 offset += m.numel()
             z = self._reduce(self._codec_allreduce(), x, key="momentum")
             offset, updates = 0, []
-            for mi, d in zip(ms, denoms):
-                zi = z[offset:offset + mi.numel()]
-                offset += mi.numel()
-                updates.append(zi)      # the same bytes on every rank (their v may differ)
-                if not self.local:      # else the rank's own momentum stays as it is
-                    torch.mul(zi, d, out=mi)
+            for mi in ms:
+                updates.append(z[offset:offset + mi.numel()])   # the same bytes on every
+                offset += mi.numel()                            # rank (their v may differ)
         self.steps += 1
         offset = 0
         for i, (p, mi, d) in enumerate(zip(params, ms, denoms)):
@@ -235,13 +248,14 @@ class OneBitAdam(torch.optim.Optimizer):
             lr = float(group["lr"])
             if group["weight_decay"] and group.get("decoupled_weight_decay", True):
                 p.mul_(1 - lr * group["weight_decay"])
-            step = square[offset:offset + mi.numel()]      # the floor's scratch, free now
+            step = square[offset:offset + mi.numel()]
             offset += mi.numel()
             if updates is None:
-                torch.div(mi, d, out=step)
-            else:
-                step.copy_(updates[i])
-            step.div_(1 - b1 ** self.steps)
+                torch.div(mi, d, out=step).div_(1 - b1 ** self.steps)
+            else:       # the averaged momentum replaces the rank's own (not for top-k)
+                _kernels_of(mi).adam_release(_flat(updates[i]), _flat(d), _flat(mi),
+                                             _flat(step), 1 - b1 ** self.steps,
+                                             not self.local)
             p.add_(step.view_as(p).to(p.dtype), alpha=-lr)
         return loss
 

@@ -74,8 +74,12 @@ def make_comm_hook(compressor: Any = None, *, algorithm: str = "auto",
             Adam on the user's optimizer: ``start_iter`` (default 100) plain Adam
             steps, then the variance frozen and each rank's preconditioned momentum
             averaged through the codec at ``step()``; compressed Adam *gradients*
-            cost these codecs 1.2 to 6 points). ``terngrad`` keeps error feedback
+            cost these codecs up to 5.6 points). ``terngrad`` keeps error feedback
             with SGD (it diverges without) and drops it for any other optimizer.
+            With ``optimizer=None`` the hook cannot see Adam and keeps its SGD-safe
+            settings (TernGrad's error feedback, random-k's clip 0.1), which cost
+            those two 24 to 27 points with AdamW (bench/RESULTS.md): with Adam leave
+            it ``"auto"`` or pass the optimizer.
         momentum: hook-side momentum correction without ``optimizer``: the hook keeps
             the velocity (factor ``momentum``) and returns the reduced velocity; use it
             with momentum-free SGD.

@@ -7,12 +7,15 @@ on its own shard; the hook compresses the gradients on their way through the all
     mpirun -n 2 python examples/ddp_train.py --compressor onebit --algorithm allgather
     python examples/ddp_train.py                      # one process, no compression
     torchrun --nproc_per_node 2 examples/ddp_train.py --device cuda --compressor int8
+    torchrun --nproc_per_node 2 examples/ddp_train.py --optimizer adamw --compressor onebit
 
 Under mpirun the hook talks MPI (``transport="mpi"``; microseconds per message) and
 torch.distributed (which DDP itself needs) is initialised from Open MPI's variables.
 ``--device cuda`` trains on the GPUs (one per rank) over an NCCL process group: the codecs
 run on the GPU and the hook sends its payloads over a gloo group it makes itself.
-Prints, per epoch, the training loss (mean over ranks), test accuracy and the bytes the
+``--optimizer adamw`` keeps AdamW: the hook finds it and, for topk, randomk, onebit and
+terngrad, takes its Adam route (dense steps first, then 1-bit Adam's compressed momentum
+at ``opt.step()``). Prints, per epoch, the training loss (mean over ranks), test accuracy and the bytes the
 hook sent (all ranks); the last line is ``RESULT {json}`` with the final numbers.
 """
 
@@ -88,11 +91,14 @@ def main() -> None:
                     help="any other codec option, e.g. --option bits=4")
     ap.add_argument("--algorithm", default="auto")
     ap.add_argument("--no-error-feedback", action="store_true")
-    ap.add_argument("--start-iter", type=int, default=0, help="uncompressed warm-up steps")
+    ap.add_argument("--start-iter", type=int, default=None,
+                    help="uncompressed warm-up steps (default: 0 with SGD; with AdamW the "
+                    "hook's own, 100 dense Adam steps on the Adam route)")
+    ap.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
     ap.add_argument("--transport", choices=["auto", "torch", "mpi"], default="auto")
     ap.add_argument("--epochs", type=int, default=5)
     ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--lr", type=float, default=0.1)
+    ap.add_argument("--lr", type=float, default=None, help="default 0.1 (SGD), 1e-3 (AdamW)")
     ap.add_argument("--bucket-cap-mb", type=float, default=0.02)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
@@ -112,16 +118,21 @@ def main() -> None:
     torch.manual_seed(args.seed)
     model = DDP(nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10)).to(device),
                 bucket_cap_mb=args.bucket_cap_mb)
+    if args.optimizer == "sgd":
+        opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), momentum=0.9,
+                                                     lr=0.1 if args.lr is None else args.lr)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3 if args.lr is None else args.lr)
+    start = {} if args.start_iter is None and args.optimizer == "adamw" else \
+        {"start_iter": args.start_iter or 0}
     options = parse_options(args.option)
     if args.ratio is not None:
         options["ratio"] = args.ratio
     compressor = None if args.compressor == "none" else args.compressor
     state, hook = make_comm_hook(compressor, algorithm=args.algorithm,
                                  error_feedback=not args.no_error_feedback,
-                                 transport=transport, start_iter=args.start_iter, model=model,
-                                 **options)
+                                 transport=transport, model=model, **start, **options)
     model.register_comm_hook(state, hook)
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
 
     steps = len(ytr) // args.batch_size                       # equal on every rank here
@@ -155,7 +166,8 @@ def main() -> None:
             "ranks": world, "transport": state.transport.name, "compressor": args.compressor,
             "algorithm": args.algorithm, "loss": float(total[0] / total[1]),
             "accuracy": accuracy, "bytes_sent": int(sent), "native_nbytes": int(native),
-            "device": args.device,
+            "device": args.device, "optimizer": args.optimizer,
+            "adam_route": state.adam.route is not None,
             "seconds": round(time.perf_counter() - began, 2)}), flush=True)
     wait_released(total, sent, native)  # gloo lets go of the last collectives' tensors
     dist.destroy_process_group()     # also closes the hook's state (state.close())

@@ -86,6 +86,14 @@ def test_ddp_train_example_under_torchrun_and_mpirun():
     assert res["transport"] == "mpi" and res["bytes_sent"] > 0, res
 
 
+@pytest.mark.timeout(120)
+def test_ddp_train_example_keeps_adamw_through_the_adam_route():
+    run = torchrun(EXAMPLES / "ddp_train.py", 2, "--optimizer", "adamw", "--compressor",
+                   "onebit", "--start-iter", "20", "--epochs", "2", timeout=100)
+    res = run.results(1)[0]
+    assert res["adam_route"] and res["accuracy"] > 0.5 and res["bytes_sent"] > 0, res
+
+
 @pytest.mark.timeout(90)
 def test_mpi_allreduce_example_gives_the_same_bytes_through_wrap():
     require_mpi()

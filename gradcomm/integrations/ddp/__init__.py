@@ -103,8 +103,7 @@ Example:
 """
 
 from .checkpoint import STATE_FORMAT, STATE_VERSION
-from .hook import CommHookState, comm_hook
-from .names import UnboundModelWarning
+from .hook import CommHookState, UnboundModelWarning, comm_hook
 from .make import make_comm_hook
 
 __all__ = ["CommHookState", "STATE_FORMAT", "STATE_VERSION", "UnboundModelWarning",

@@ -173,6 +173,10 @@ class AdamSlot:
         #: a checkpoint's route was compressing (True) or warming up (False): what the
         #: buckets do until the route starts again; None: no such checkpoint
         self.pending: bool | None = None
+        #: whether the route (or a checkpoint's, until it starts) decides the buckets:
+        #: the hook's gradient route does not compress (a plain attribute: a bucket's
+        #: trip reads it without entering this module)
+        self.active = False
 
     def start(self, optimizer: Any, transport: Any, compressor: Any, seed: int,
               guard: bool, run: Callable[[Callable[[], Any]], Any],
@@ -183,13 +187,7 @@ class AdamSlot:
                                self.warmup, guard, run, stats)
         if self.saved is not None:
             self.route.load(self.saved)
-        self.pending = None
-
-    @property
-    def active(self) -> bool:
-        """Whether the route (or a checkpoint's, until it starts) decides the buckets:
-        the hook's gradient route does not compress."""
-        return self.route is not None or self.pending is not None
+        self.pending, self.active = None, True
 
     def local(self) -> bool:
         """Whether this iteration's buckets stay local (the route past its warm-up:
@@ -219,7 +217,7 @@ class AdamSlot:
             if saved is not None:
                 self.route.load(saved)
         elif isinstance(config, dict):
-            self.pending = bool(config.get("compressing"))
+            self.pending, self.active = bool(config.get("compressing")), True
 
     def remove(self) -> None:
         """Uninstall the route's step hooks."""

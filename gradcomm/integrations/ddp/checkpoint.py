@@ -66,6 +66,26 @@ def collect(t: Transport, residuals: ParameterResiduals, rank0_only: bool,
     return ranks
 
 
+def state_dict(t: Transport, residuals: ParameterResiduals, rank0_only: bool,
+               config: Mapping[str, Any], iteration: int, layout: list[list[str]],
+               momentum: Any, adam: Any) -> dict[str, Any]:
+    """The hook's ``state_dict()`` (:meth:`~.hook.CommHookState.state_dict`): its
+    ``config``, counters, bucket ``layout``, every rank's residuals (:func:`collect`),
+    momentum correction's factors and velocity (``momentum``: a
+    :class:`~.momentum.MomentumCorrection` or None) and the Adam route's state
+    (``adam``: the hook's :class:`~.adam.AdamSlot`). Collective over ``t``."""
+    groups = {**({} if momentum is None else momentum.local_state()), **adam.local_state()}
+    ranks = collect(t, residuals, rank0_only, groups)
+    if ranks is None:
+        return {}
+    return {
+        "format": STATE_FORMAT, "version": STATE_VERSION, "config": dict(config),
+        "iter": iteration, "world_size": t.size, "layout": [list(u) for u in layout],
+        "ranks": ranks, "momentum": None if momentum is None else momentum.config(),
+        "feedback": residuals.enabled, "adam": adam.config(),
+    }
+
+
 def check_config(state: Mapping[str, Any], config: Mapping[str, Any]) -> None:
     """ConfigError unless checkpoint ``state`` (of this format) was saved by a hook
     configured as ``config`` (:meth:`~.hook.CommHookState.config`), naming what differs.
@@ -267,6 +287,6 @@ def unpack_local(block: np.ndarray, rank: int
     return groups, meta
 
 
-__all__ = ["STATE_FORMAT", "STATE_VERSION", "check_config", "collect", "pack_local", "residuals_of", "restore",
+__all__ = ["STATE_FORMAT", "STATE_VERSION", "check_config", "collect", "state_dict", "pack_local", "residuals_of", "restore",
            "restore_adam", "restore_momentum",
            "unpack_local"]

@@ -36,7 +36,6 @@ from . import lifecycle
 from .adam import AdamSlot, adam_codec, is_adam
 from .groups import resolve_transports
 from .defaults import default_options, default_ramp, default_start_iter
-from .names import ParameterNames
 from .momentum import (CORRECTED_CODECS, MASKED_CODECS, SGD_FEEDBACK_CODECS, OptimizerWatch, feedback_with,
                        found_momentum, momentum_correction, restored, momentum_safe)
 from .ramp import SparsityRamp
@@ -44,6 +43,10 @@ from .replay import Replay
 from .residuals import ParameterResiduals
 from .routes import Routes
 from .worker import Worker
+
+
+class UnboundModelWarning(UserWarning):
+    """The hook names parameters by position because no model was bound."""
 
 
 class CommHookState:
@@ -111,7 +114,9 @@ class CommHookState:
                              stateful=self._watch is not None,
                              ramp=None if ramp is None else SparsityRamp(c, ramp, start_iter))
         self.iter = 0
-        self.names = ParameterNames()
+        self._names: dict[int, str] | None = None
+        self._position: dict[int, str] = {}
+        self._warned_unbound = False
         self._layout: list[list[str]] = []      # units of the last completed iteration
         self._current: list[list[str]] = []     # units of the iteration in progress
         self._replay: list[list[str]] | None = None
@@ -142,13 +147,40 @@ class CommHookState:
         """``buckets``, ``bytes_sent``, ``native_nbytes``, ``comm_seconds`` so far."""
         return self.routes.stats
 
+    # -- parameter names -------------------------------------------------------------------
     def bind(self, model: Any) -> CommHookState:
         """Name residuals after ``model``'s parameters (a DDP model or the module it wraps).
 
         Returns the state, so ``make_comm_hook(...)[0].bind(model)`` chains.
         """
-        self.names.bind(model)
+        module = getattr(model, "module", model)
+        try:
+            named = list(module.named_parameters())
+        except AttributeError:
+            raise ConfigError(f"bind() needs a torch.nn.Module or DDP model, got "
+                              f"{type(model).__qualname__}") from None
+        self._names = {id(p): name for name, p in named}
         return self
+
+    def _keys(self, params: Sequence[Any]) -> list[str]:
+        if self._names is not None:
+            try:
+                return [self._names[id(p)] for p in params]
+            except KeyError:
+                raise ConfigError("a bucket holds a parameter that is not in the bound "
+                                  "model; bind the model that DDP wraps") from None
+        if not self._warned_unbound:
+            self._warned_unbound = True
+            warnings.warn("make_comm_hook: no model bound; residuals are keyed by parameter "
+                          "position ('param.<i>'). Pass model= (or state.bind(model)) so that "
+                          "checkpoints name parameters", UnboundModelWarning, stacklevel=3)
+        keys = []
+        for p in params:
+            k = self._position.get(id(p))
+            if k is None:
+                k = self._position[id(p)] = f"param.{len(self._position)}"
+            keys.append(k)
+        return keys
 
     def _adam_start(self, optimizer: Any) -> None:
         """Take the Adam route for ``optimizer`` (on the worker: the gradient route's
@@ -263,7 +295,7 @@ class CommHookState:
                 self.stats["buckets"] += 1
                 self._current.append(keys)
                 ready = [(fut, buf)]
-            elif self.adam.local():
+            elif self.adam.active and self.adam.local():
                 self._current.append(keys)     # Adam's route: the optimizer communicates
                 ready = [(fut, buf)]
             elif self._replay is not None or self._pending is not None:
@@ -338,7 +370,7 @@ class CommHookState:
         could interleave differently on different ranks and hang NCCL. A new shape is
         first agreed on the worker (after the buckets queued before it)."""
         if self.library is None or self._replay is not None or self._pending is not None or \
-                self.adam.local():
+                (self.adam.active and self.adam.local()):
             return None                     # a replayed layout: the worker groups units
         meta = arrays.meta_of(buf)
         compressed = self._compressing()
@@ -359,7 +391,9 @@ class CommHookState:
         ``torch.load`` (``weights_only=True``) round-trip it. With ``rank0_only`` the
         residuals are gathered to rank 0 only; other ranks return ``{}``.
         """
-        return self._call(lambda: self._state_dict(rank0_only))
+        return self._call(lambda: checkpoint.state_dict(
+            self.transport, self.residuals, rank0_only, self.config(), self.iter,
+            self._layout, self.routes.momentum, self.adam))
 
     def config(self) -> dict[str, Any]:
         """What the hook was configured with, as ``state_dict()["config"]`` holds it."""
@@ -368,25 +402,6 @@ class CommHookState:
                 "compressor_options": {} if c is None else dict(c.get_config()),
                 "algorithm": self.algorithm, "error_feedback": self.error_feedback,
                 "start_iter": self.start_iter, "seed": self.seed}
-
-    def _state_dict(self, rank0_only: bool) -> dict[str, Any]:
-        t = self.transport
-        mc = self.routes.momentum
-        groups = {**({} if mc is None else mc.local_state()),
-                  **self.adam.local_state()}
-        ranks = checkpoint.collect(t, self.residuals, rank0_only, groups)
-        if ranks is None:
-            return {}
-        return {
-            "format": checkpoint.STATE_FORMAT, "version": checkpoint.STATE_VERSION,
-            "config": self.config(),
-            "iter": self.iter, "world_size": t.size,
-            "layout": [list(u) for u in self._layout],
-            "ranks": ranks,
-            "momentum": None if mc is None else mc.config(),
-            "feedback": self.residuals.enabled,
-            "adam": self.adam.config(),
-        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore counters, layout and this rank's share of the residuals (any rank count).
@@ -418,9 +433,8 @@ class CommHookState:
             self.iter = int(state["iter"])
             self.routes.checked.clear()
             self._replay = None
-            named = self.names.names
-            if layout and named is not None:
-                if {k for u in layout for k in u} <= set(named.values()):
+            if layout and self._names is not None:
+                if {k for u in layout for k in u} <= set(self._names.values()):
                     self._replay = layout
                 else:
                     warnings.warn("the checkpoint's bucket layout names parameters the bound "
@@ -458,7 +472,7 @@ def comm_hook(state: CommHookState, bucket):  # type: ignore[no-untyped-def]
 
     fut: Any = torch.futures.Future()
     params = bucket.parameters()
-    keys = state.names.keys(params)
+    keys = state._keys(params)
     if state._watch is not None and state._watch.watching:
         state._watch.params.update(id(p) for p in params)
     lengths = [int(p.numel()) for p in params]

@@ -34,7 +34,7 @@ Example:
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from ...errors import ConfigError
 from .defaults import DEFAULT_WARMUP
@@ -216,7 +216,7 @@ class AdamSlot:
         if self.route is not None:
             if saved is not None:
                 self.route.load(saved)
-        elif isinstance(config, dict):
+        elif isinstance(config, Mapping):
             self.pending, self.active = bool(config.get("compressing")), True
 
     def remove(self) -> None:

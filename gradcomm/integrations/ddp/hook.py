@@ -186,7 +186,7 @@ class CommHookState:
         """Take the Adam route for ``optimizer`` (on the worker: the gradient route's
         residuals of the backward passes before it are dropped)."""
         def start() -> None:
-            self.residuals._residuals.clear()
+            self.residuals.clear()
             self.adam.start(optimizer, self.transport, self.compressor, self.seed,
                             self._guard, self._call, self.stats)
         self._call(start)
@@ -218,7 +218,7 @@ class CommHookState:
     def _feedback_off(self) -> None:
         """On the worker: stop error feedback and drop the residuals held so far."""
         self.residuals.store.enabled = False
-        self.residuals._residuals.clear()
+        self.residuals.clear()
 
     # -- the worker --------------------------------------------------------------------------
     def _submit(self, task: Callable[[], None]) -> None:
@@ -371,7 +371,7 @@ class CommHookState:
         first agreed on the worker (after the buckets queued before it)."""
         if self.library is None or self._replay is not None or self._pending is not None or \
                 (self.adam.active and self.adam.local()):
-            return None                     # a replayed layout: the worker groups units
+            return None          # a replayed layout (the worker groups units), or local
         meta = arrays.meta_of(buf)
         compressed = self._compressing()
         if self.routes.route(meta, compressed) != "library":

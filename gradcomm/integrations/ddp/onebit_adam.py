@@ -168,8 +168,9 @@ class OneBitAdam(torch.optim.Optimizer):
         """Whether the next step averages the momentum through the codec."""
         return self.steps >= self.warmup_steps
 
-    def _params(self) -> list[Any]:
-        return [p for g in self.param_groups for p in g["params"]]
+    def _params(self) -> list[tuple[Any, dict[str, Any]]]:
+        """Every parameter with its param group, in order (found once per step)."""
+        return [(p, g) for g in self.param_groups for p in g["params"]]
 
     def _grads(self, params: list[Any]) -> list[torch.Tensor]:
         """Each parameter's gradient as a flat float32 tensor (a view where it is one)."""
@@ -187,7 +188,8 @@ class OneBitAdam(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         loss = closure() if closure is not None else None
-        params = self._params()
+        pairs = self._params()
+        params = [p for p, _ in pairs]
         grads = self._grads(params)
         compressing = self.compressing
         if not compressing and not self.hooked:
@@ -195,11 +197,11 @@ class OneBitAdam(torch.optim.Optimizer):
             grads = list(torch.split(g, [p.numel() for p in params]))
         total = sum(p.numel() for p in params)
         device = params[0].device if params else "cpu"
-        denom, square = self._buffer("denom", total, device), self._buffer("square", total, device)
+        denom, steps = self._buffer("denom", total, device), self._buffer("step", total, device)
         offset = 0
         ms, denoms = [], []
         t = min(self.steps + 1, self.warmup_steps)     # v's bias correction freezes too
-        for p, gi in zip(params, grads):
+        for (p, group), gi in zip(pairs, grads):
             n = p.numel()
             st = self.state[p]
             if "exp_avg" not in st:
@@ -208,7 +210,6 @@ class OneBitAdam(torch.optim.Optimizer):
                 st["exp_avg_sq"] = torch.zeros_like(st["exp_avg"])
             if "step" in st:            # torch's Adam state (see over()): count it
                 st["step"] += 1
-            group = self._group(p)
             b1, b2 = group["betas"]
             if not group.get("decoupled_weight_decay", True) and group["weight_decay"]:
                 gi = gi.add(p.detach().reshape(-1).float(),     # Adam's L2, on the local
@@ -230,10 +231,10 @@ class OneBitAdam(torch.optim.Optimizer):
         updates = None
         if compressing:     # average the local momenta, preconditioned, through the codec
             x, offset = self._buffer("momentum", total, device), 0
-            for m, d, p in zip(ms, denoms, params):
+            for m, d, (_, group) in zip(ms, denoms, pairs):
                 _kernels_of(m).adam_precondition(_flat(m), _flat(d),
                                                  _flat(x[offset:offset + m.numel()]),
-                                                 self._group(p)["eps"])
+                                                 group["eps"])
                 offset += m.numel()
             z = self._reduce(self._codec_allreduce(), x, key="momentum")
             offset, updates = 0, []
@@ -242,13 +243,12 @@ class OneBitAdam(torch.optim.Optimizer):
                 offset += mi.numel()                            # rank (their v may differ)
         self.steps += 1
         offset = 0
-        for i, (p, mi, d) in enumerate(zip(params, ms, denoms)):
-            group = self._group(p)
+        for i, ((p, group), mi, d) in enumerate(zip(pairs, ms, denoms)):
             b1 = group["betas"][0]
             lr = float(group["lr"])
             if group["weight_decay"] and group.get("decoupled_weight_decay", True):
                 p.mul_(1 - lr * group["weight_decay"])
-            step = square[offset:offset + mi.numel()]
+            step = steps[offset:offset + mi.numel()]
             offset += mi.numel()
             if updates is None:
                 torch.div(mi, d, out=step).div_(1 - b1 ** self.steps)
@@ -270,12 +270,6 @@ class OneBitAdam(torch.optim.Optimizer):
             ar = self._stages[id(codec)] = Allreduce(self.comm, op="mean", compressor=codec)
             ar.error_feedback, ar.guard = self.allreduce.error_feedback, self.allreduce.guard
         return ar
-
-    def _group(self, p: Any) -> dict[str, Any]:
-        for group in self.param_groups:
-            if any(q is p for q in group["params"]):
-                return group
-        raise ConfigError("parameter not in any param group")
 
     def _reduce(self, ar: Allreduce, x: torch.Tensor, key: str = "default") -> torch.Tensor:
         t = ar.transport

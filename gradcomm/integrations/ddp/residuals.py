@@ -115,6 +115,10 @@ class ParameterResiduals:
         prefix = unit + HOP_SEP
         return [e for k, e in self._residuals.items() if k in names or k.startswith(prefix)]
 
+    def clear(self) -> None:
+        """Drop every residual held so far (units, offsets and codec state stay)."""
+        self._residuals.clear()
+
     def clear_unit(self, unit: str) -> None:
         """Zero the residuals of unit ``unit``'s parameters and hops and drop their codec
         state (PowerSGD's ``Q``): the divergence guard's reset, on every rank alike."""

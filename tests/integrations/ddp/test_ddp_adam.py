@@ -150,3 +150,38 @@ def test_the_route_is_taken_for_adam_given_and_refused_where_it_cannot_continue_
     assert _made("int8", adamw) == (False, [])               # fresh errors: gradients
     taken, said = _made("onebit", lambda ps: torch.optim.Adam(ps, amsgrad=True))
     assert not taken and any("amsgrad" in s for s in said), said
+
+
+def test_a_checkpoints_adam_group_is_checked_and_redistributed():
+    """``checkpoint.restore_adam``: the saved ranks' momentum residuals must agree in
+    names, shapes and dtypes (ConfigError, a GradcommError, naming it); at another rank
+    count new rank r' takes the sum over the saved ranks r with r mod p' == r' (zeros
+    where none), the codec steps rank 0's."""
+    import numpy as np
+
+    from gradcomm.errors import ConfigError, GradcommError
+    from gradcomm.integrations.ddp.checkpoint import restore_adam
+
+    def entry(vals, step=3):
+        return {"adam": {"residual/momentum": torch.tensor(vals, dtype=torch.float32),
+                         "step/momentum": torch.tensor([step])}}
+
+    state = {"ranks": [entry([1.0, 2.0]), entry([10.0, 20.0]), entry([100.0, 200.0])]}
+    assert restore_adam({"ranks": [{"adam": {}}, {"adam": {}}]}, 2, 0) is None
+    same = restore_adam(state, 3, 1)
+    assert same["residual/momentum"].tolist() == [10.0, 20.0]
+    two = [restore_adam(state, 2, r) for r in (0, 1)]
+    assert two[0]["residual/momentum"].tolist() == [101.0, 202.0]
+    assert two[1]["residual/momentum"].tolist() == [10.0, 20.0]
+    assert int(two[1]["step/momentum"][0]) == 3
+    four = restore_adam(state, 4, 3)
+    assert four["residual/momentum"].tolist() == [0.0, 0.0]
+    assert four["residual/momentum"].dtype == np.float32
+    bad = {"ranks": [entry([1.0, 2.0]), entry([1.0, 2.0, 3.0])]}
+    with pytest.raises(ConfigError, match="Adam-route residuals differ") as info:
+        restore_adam(bad, 2, 0)
+    assert isinstance(info.value, GradcommError)
+    renamed = {"ranks": [entry([1.0]), {"adam": {"residual/other": torch.ones(1),
+                                                  "step/momentum": torch.tensor([3])}}]}
+    with pytest.raises(ConfigError, match="differ in names"):
+        restore_adam(renamed, 1, 0)

@@ -54,15 +54,22 @@ def allreduce(x: Any, comm: Any = None, *, op: str = "sum", algorithm: str = "au
 
 def _reduce(x: Any, comm: Any, problem: Exception | None, *, op: str = "sum",
             algorithm: str = "auto", compressor: Any = None, check: bool | str = True,
-            **options: Any) -> Any:
+            in_place: bool = False, **options: Any) -> Any:
     """:func:`allreduce`; ``problem``: this rank's objection to the call, raised here
-    before data moves (the other ranks learn of it from the check)."""
+    before data moves (the other ranks learn of it from the check). ``in_place``
+    (:func:`allreduce_`): reduce in ``x``'s own memory where :meth:`Reduction.flat` can
+    view it, and return ``x`` then (else the result, as without it)."""
     t = get_transport(comm)
     plan = _plan_of(op, algorithm, compressor, check) if not options else None
     if plan is None:
         plan = Reduction(op, algorithm, compressor, options, None, check)
-    buf, meta = plan.flat(x, t)
-    return arrays.from_flat(plan.run(t, buf, meta.dtype, meta=meta, problem=problem), meta)
+    buf, meta = plan.flat(x, t, in_place)
+    y = plan.run(t, buf, meta.dtype, meta=meta, problem=problem)
+    if in_place and arrays.data_ptr(buf) == arrays.data_ptr(x):   # x's own memory
+        if y is not buf:
+            np.copyto(buf, y)
+        return x
+    return arrays.from_flat(y, meta)
 
 
 #: the option-free Reductions of earlier calls, by (op, algorithm, compressor, check)
@@ -91,7 +98,10 @@ def allreduce_(x: Any, comm: Any = None, **kwargs: Any) -> Any:
 
     Takes the same arguments. ``x`` must be writable (a read-only numpy array is a
     ConfigError on its rank before any data moves, a MismatchError on the others); a
-    non-contiguous ``x`` is updated through its strides.
+    non-contiguous ``x`` is updated through its strides. A C-contiguous host array
+    (numpy in native byte order, CPU tensor) is reduced in its own memory, with no copy;
+    as with ``MPI_IN_PLACE``, its contents are then undefined if the call raises after
+    data moved (DeadlineError, TransportError; a MismatchError comes before).
 
     Example:
         >>> import numpy as np
@@ -105,7 +115,9 @@ def allreduce_(x: Any, comm: Any = None, **kwargs: Any) -> Any:
     if arrays.kind(x) == "numpy" and not x.flags.writeable:
         problem = ConfigError("allreduce_ writes the result into x, a read-only numpy array "
                               "(use y = allreduce(x, ...), or a writable copy)")
-    y = _reduce(x, comm, problem, **kwargs)
+    y = _reduce(x, comm, problem, in_place=problem is None, **kwargs)
+    if y is x:                                 # reduced in x's own memory
+        return x
     if arrays.kind(x) == "numpy":
         x[...] = y
     else:

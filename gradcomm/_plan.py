@@ -155,9 +155,11 @@ class Reduction:
                 dtype in FLOATS
         return self.compressor is not None or self.algorithm in GATHER_ALGORITHMS
 
-    def flat(self, x: Any, t: Any) -> tuple[Any, arrays.Meta]:
+    def flat(self, x: Any, t: Any, in_place: bool = False) -> tuple[Any, arrays.Meta]:
         """A fresh flat working copy of array ``x`` and its Meta, placed where the
-        reduction runs on transport ``t``.
+        reduction runs on transport ``t``; with ``in_place`` (``allreduce_``), a flat view
+        of ``x`` itself where it is already a host buffer the reduction can work in (a
+        C-contiguous numpy array in native byte order or CPU tensor: no copy in, none out).
 
         :func:`arrays.placement` decides where: dense sums keep a device array on the
         device only on a transport that moves device buffers (CUDA-aware MPI), else they
@@ -174,6 +176,10 @@ class Reduction:
             where = "host"
         else:
             where = arrays.placement(meta, codecs=True)
+        if in_place and where == "host" and meta.device == "cpu" and \
+                b.is_contiguous(x) and (meta.kind != "numpy" or (type(x) is np.ndarray and
+                                                        x.dtype.isnative)):
+            return b.host_view(x), meta
         return b.to_flat(x, meta, where), meta
 
     def run(self, t: Any, buf: Any, dtype: str, *, op: str | None = None,

@@ -69,8 +69,9 @@ def test_max_on_a_gathered_algorithm_names_the_algorithm() -> None:
 @pytest.mark.parametrize("p", [2, 3])
 def test_allreduce_in_place_on_a_read_only_array(p: int, kw: dict) -> None:
     """The read-only rank raises ConfigError before any data moves; the others learn from
-    the check (MismatchError) or, where the check was skipped, wait out the deadline;
-    no rank's array is written and the transports stay usable."""
+    the check (MismatchError: no rank's array is written) or, where the check was skipped,
+    wait out the deadline (DeadlineError: their arrays, reduced in place, are undefined
+    then, as with MPI_IN_PLACE); the transports stay usable."""
     def fn(t: Any) -> Any:
         x = np.full(5, t.rank + 1.0, np.float32)
         gradcomm.allreduce_(x.copy(), t, **kw)               # "first": checked once
@@ -81,7 +82,7 @@ def test_allreduce_in_place_on_a_read_only_array(p: int, kw: dict) -> None:
             err: Any = exc
         else:
             err = None
-        if t.rank != p - 1:
+        if t.rank != p - 1 and kw.get("check", True) is True:
             assert (x == t.rank + 1).all()                      # nothing was written
         return err
 

@@ -91,6 +91,72 @@ def test_numpy_in_place_through_strides() -> None:
     assert all(all(r) for r in on_ranks(fn))
 
 
+@pytest.mark.parametrize("algorithm,compressor", [
+    (a, c) for c in (None, "int8") for a in ("auto", "ring", "recursive_doubling",
+                                            "rabenseifner")
+    if not (c and a == "recursive_doubling")])      # no compressed recursive doubling
+def test_contiguous_in_place_reduces_in_the_arrays_own_memory(algorithm: str,
+                                                              compressor: Any) -> None:
+    """A C-contiguous numpy array is reduced where it lies: ``allreduce_`` allocates at
+    least one array per rank less than ``allreduce`` (its working copy, returned) in the
+    same call (the transport's scratch kept from a first call; the algorithms' own
+    receive buffers remain, none at all for the dense ring), and the sums are exact and
+    the same bytes on every rank; a CPU tensor too. Counts 0, 1, below p and not
+    divisible by p."""
+    import tracemalloc
+
+    n = 1 << 18                             # 1 MiB of float32
+    kw = {"algorithm": algorithm, "compressor": compressor}
+    counts = (0, 1, P - 1, 2 * P + 1)
+
+    def traced(t: Any, call: Callable[[], Any]) -> tuple[Any, int]:
+        """``call()`` on every rank and the peak of what all ranks allocated meanwhile."""
+        t.barrier()
+        if t.rank == 0:
+            tracemalloc.start()
+        t.barrier()
+        y = call()
+        t.barrier()
+        peak = tracemalloc.get_traced_memory()[1] if t.rank == 0 else 0
+        t.barrier()
+        if t.rank == 0:
+            tracemalloc.stop()
+        return y, peak
+
+    def fn(t: Any) -> list[Any]:
+        x = ints(t.rank, n).astype(np.float32)
+        gradcomm.allreduce_(x.copy(), t, **kw), gradcomm.allreduce(x, t, **kw)   # warm
+        _, fresh = traced(t, lambda: gradcomm.allreduce(x, t, **kw))
+        before = x.ctypes.data
+        y, peak = traced(t, lambda: gradcomm.allreduce_(x, t, **kw))
+        small = []
+        for m in counts:
+            z = ints(t.rank + 7, m).astype(np.float32)
+            zt = torch.from_numpy(z.copy())
+            small.append((gradcomm.allreduce_(z, t, **kw) is z, z.copy(),
+                          gradcomm.allreduce_(zt, t, **kw) is zt, zt.numpy().copy()))
+        return [y is x and x.ctypes.data == before, x, (fresh, peak), small]
+
+    res = on_ranks(fn)
+    exact = sum(ints(r, n).astype(np.float32).astype(np.float64) for r in range(P))
+    for r, (same, x, _, small) in enumerate(res):
+        assert same, r
+        assert x.tobytes() == res[0][1].tobytes(), r
+        if compressor is None:
+            assert np.array_equal(x, exact), r
+        for i, m in enumerate(counts):
+            is_z, z, is_zt, zt = small[i]
+            assert is_z and is_zt and z.tobytes() == res[0][3][i][1].tobytes(), (r, m)
+            assert zt.tobytes() == z.tobytes(), (r, m)
+            if compressor is None:
+                want = sum(ints(q + 7, m).astype(np.float64) for q in range(P))
+                assert np.array_equal(z, want), (r, m)
+    fresh, peak = res[0][2]
+    assert peak <= fresh - P * n * 4 * 9 // 10, f"allreduce_ {peak} B, allreduce {fresh} B"
+    if compressor is None and algorithm in ("auto", "ring"):
+        assert peak < n * 4 // 10, f"{peak} B traced for {n * 4} B arrays"
+
+
 TORCH_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
                 torch.int32, torch.int16, torch.int8, torch.uint8)
 

@@ -109,8 +109,9 @@ class MPITransport(Transport):
     name = "mpi"
     fast_native = True          # MPI_Allreduce of a few hundred bytes is one C call
     # over TCP every message above the eager limit (64 KiB) waits for its receive to be
-    # posted and matched (a rendezvous): deep windows and large messages keep the link
-    # streaming (bench/RESULTS.md, issue 12); shared memory is indifferent to both
+    # posted (a rendezvous): deep windows and large messages keep the link streaming
+    # (bench/RESULTS.md, issue 12). Over shared memory a deep window is slower: there
+    # (:func:`one_node`) an instance double buffers; the cost model reads the class's.
     window_bytes = NETWORK_WINDOW
     max_chunk_bytes = NETWORK_MAX_CHUNK
 
@@ -127,6 +128,8 @@ class MPITransport(Transport):
         self._orphans: list[_Req] = []       # abandoned requests, kept with their buffers
         self._comm: Any = self._duplicate(comm)
         self._cuda = cuda_aware()
+        if one_node():
+            self.window_bytes = 0
         self.devices = frozenset({"cpu", "cuda"}) if self._cuda else frozenset({"cpu"})
         # (dtype, op) -> (MPI datatype, MPI op), filled on first use
         self._native: dict[tuple[str, str], tuple[Any, Any]] = {}
@@ -424,6 +427,32 @@ def _expired(t: Transport, what: str, limit: float) -> DeadlineError:
     return DeadlineError(
         f"rank {t.rank}/{t.size} ({t.name}): {what} did not complete within {limit:g} s; "
         "a peer did not join, failed, or called a different collective")
+
+
+def one_node(env: Any = None) -> bool:
+    """Whether Open MPI started every rank of the job on this node with its shared-memory
+    path allowed (local size = world size, pml ``ob1``, ``sm`` not left out of
+    ``OMPI_MCA_btl``). False for several nodes, ``--mca btl tcp,self`` (bench/netns.py),
+    other layers and other MPIs. ``env``: default ``os.environ``.
+
+    Example:
+        >>> one_node({"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"})
+        True
+        >>> one_node({"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+        ...           "OMPI_MCA_btl": "tcp,self"})
+        False
+    """
+    env = os.environ if env is None else env
+    size = env.get("OMPI_COMM_WORLD_SIZE")
+    if not size or env.get("OMPI_COMM_WORLD_LOCAL_SIZE") != size:
+        return False
+    if env.get("OMPI_MCA_pml", "ob1") != "ob1":
+        return False
+    btl = env.get("OMPI_MCA_btl", "").replace(" ", "")
+    if not btl:
+        return True
+    named = {"sm", "vader"} & set(btl.lstrip("^").split(","))
+    return not named if btl.startswith("^") else bool(named)
 
 
 def cuda_aware() -> bool:

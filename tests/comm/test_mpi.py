@@ -165,3 +165,45 @@ def test_a_hanging_launch_is_killed_with_all_its_ranks() -> None:
         except OSError:
             pass
     assert not left, f"processes left running: {left}"
+
+
+def _window_and_sum() -> list[int]:
+    """Run by mpi_call on every rank: the transport's receive window, and an exact ring
+    sum of 3 MiB (many messages) under it."""
+    import numpy as np
+    from mpi4py import MPI
+
+    from gradcomm.collectives import ring
+    from gradcomm.comm.mpi import MPITransport
+    from gradcomm.ops import Reducer
+
+    t = MPITransport(MPI.COMM_WORLD, timeout=20)
+    n = 3 << 18
+    buf = (np.arange(n, dtype=np.int64) * 7919 % 1009 + t.rank).astype(np.float32)
+    want = sum((np.arange(n, dtype=np.int64) * 7919 % 1009 + r).astype(np.float64)
+               for r in range(t.size))
+    ring.allreduce(t, buf, Reducer("sum", "float32"), chunk_bytes=64 << 10)
+    ok = int(np.array_equal(buf, want))
+    t.close()
+    return [t.window_bytes, ok]
+
+
+@pytest.mark.timeout(120)
+def test_the_receive_window_follows_the_path_between_the_ranks() -> None:
+    """Ranks on one node over shared memory keep double buffering; the same job with the
+    shared-memory path left out (``--mca btl tcp,self``, as bench/netns.py runs) keeps the
+    network's deep window; the sums are exact under both."""
+    require_mpi()
+    from gradcomm.comm.base import NETWORK_WINDOW
+    from gradcomm.comm.mpi import one_node
+    from tests._launch import mpi_call
+
+    assert mpi_call(_window_and_sum, 3, timeout=50) == [[0, 1]] * 3
+    tcp = {"OMPI_MCA_pml": "ob1", "OMPI_MCA_btl": "tcp,self"}
+    assert mpi_call(_window_and_sum, 3, timeout=50, env=tcp) == [[NETWORK_WINDOW, 1]] * 3
+    same = {"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}
+    assert one_node(same) and one_node({**same, "OMPI_MCA_btl": "self,sm"})
+    assert one_node({**same, "OMPI_MCA_btl": "^tcp"})
+    assert not one_node({**same, "OMPI_MCA_btl": "^sm,tcp"})
+    assert not one_node({**same, "OMPI_COMM_WORLD_LOCAL_SIZE": "2"})     # two nodes
+    assert not one_node({**same, "OMPI_MCA_pml": "ucx"}) and not one_node({})

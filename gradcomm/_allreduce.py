@@ -63,8 +63,12 @@ def _reduce(x: Any, comm: Any, problem: Exception | None, *, op: str = "sum",
     plan = _plan_of(op, algorithm, compressor, check) if not options else None
     if plan is None:
         plan = Reduction(op, algorithm, compressor, options, None, check)
-    buf, meta = plan.flat(x, t, in_place)
-    y = plan.run(t, buf, meta.dtype, meta=meta, problem=problem)
+    src, got = None, None if in_place else plan.source(x, t)
+    if got is None:
+        buf, meta = plan.flat(x, t, in_place)
+    else:
+        src, buf, meta = got
+    y = plan.run(t, buf, meta.dtype, meta=meta, problem=problem, src=src)
     if in_place and arrays.data_ptr(buf) == arrays.data_ptr(x):   # x's own memory
         if y is not buf:
             np.copyto(buf, y)

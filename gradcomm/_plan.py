@@ -93,6 +93,13 @@ def with_shape(compressor: Any, meta: Any, options: Mapping[str, Any]) -> dict[s
     return {**options, "shape": meta.shape}
 
 
+def _viewable(b: Any, x: Any, meta: arrays.Meta) -> bool:
+    """Whether array ``x`` (backend ``b``) can be reduced through a flat host view: a
+    C-contiguous numpy array in native byte order (no subclass) or CPU tensor."""
+    return meta.device == "cpu" and b.is_contiguous(x) and (
+        meta.kind != "numpy" or (type(x) is np.ndarray and x.dtype.isnative))
+
+
 @dataclass(frozen=True)
 class Reduction:
     """What to reduce by: ``op``, ``algorithm``, ``compressor`` (None, a name or a
@@ -176,21 +183,33 @@ class Reduction:
             where = "host"
         else:
             where = arrays.placement(meta, codecs=True)
-        if in_place and where == "host" and meta.device == "cpu" and \
-                b.is_contiguous(x) and (meta.kind != "numpy" or (type(x) is np.ndarray and
-                                                        x.dtype.isnative)):
+        if in_place and where == "host" and _viewable(b, x, meta):
             return b.host_view(x), meta
         return b.to_flat(x, meta, where), meta
 
+    def source(self, x: Any, t: Any) -> tuple[Any, Any, arrays.Meta] | None:
+        """For an out-of-place dense reduction of a host array :meth:`flat` could view:
+        ``(x's flat view, an empty result buffer, its Meta)``, so the reduction reads
+        ``x`` where it lies (``run(..., src=view)``) and copies nothing in; else None."""
+        b = arrays.backend(x)
+        meta = b.meta(x)
+        if self.compresses(meta.dtype) or arrays.placement(meta, t.devices) != "host" or \
+                not _viewable(b, x, meta):
+            return None
+        view = b.host_view(x)
+        return view, np.empty_like(view), meta
+
     def run(self, t: Any, buf: Any, dtype: str, *, op: str | None = None,
             meta: arrays.Meta | None = None, residuals: ResidualStore | None = None,
-            key: str | None = None, problem: Exception | None = None) -> Any:
+            key: str | None = None, problem: Exception | None = None,
+            src: Any = None) -> Any:
         """Reduce flat ``buf`` (logical ``dtype``) on transport ``t``; returns the result
         (``buf`` or a new flat buffer). ``meta``: the user's array, whose shape codecs
         that view their input by its shape (``uses_shape``) are given; ``residuals`` and
         ``key``: error feedback and the step of ``key`` (compressed calls); ``problem``:
         the caller's objection to this rank's call, raised on this rank before data moves
-        (the others learn of it from the cross-rank check)."""
+        (the others learn of it from the cross-rank check); ``src`` (from
+        :meth:`source`): the values to reduce into ``buf``, read where they lie."""
         op = op or self.op
         if not self.compresses(dtype, op):
             check_options(self.compressor, self.options)
@@ -198,7 +217,9 @@ class Reduction:
             if self.exact_fallback and algorithm not in DENSE:   # e.g. allgather
                 algorithm = "auto"
             return dense_allreduce(t, buf, op, dtype, algorithm, check=self.check,
-                                   problem=problem)
+                                   problem=problem, src=src)
+        if src is not None:
+            np.copyto(buf, src)
         options = self.options if meta is None else \
             with_shape(self.compressor, meta, self.options)
         return compressed_allreduce(t, buf, dtype, op=op, algorithm=self.algorithm,

@@ -52,3 +52,25 @@ def test_exact_fallback_reduces_what_a_codec_cannot() -> None:
         z = plan.run(t, np.full(5, t.rank + 1.0, np.float32), "float32")
         return y.tolist(), z.dtype.name
     assert run_ranks(3, fn)[0] == ([3] * 5, "float32")
+
+
+def test_an_out_of_place_dense_call_reads_its_input_where_it_lies() -> None:
+    """``Reduction.source``: a view of a C-contiguous host input and an empty result buffer
+    for dense calls (so ``gradcomm.allreduce`` copies nothing in); None where the input
+    must be copied (non-contiguous, foreign byte order) or a codec reads it."""
+    torch = pytest.importorskip("torch")
+
+    def fn(t):
+        dense, coded = Reduction(), Reduction(compressor="int8")
+        x = np.arange(6, dtype=np.float32).reshape(2, 3)
+        view, buf, meta = dense.source(x, t)
+        ok = [np.shares_memory(view, x), not np.shares_memory(buf, x),
+              buf.shape == (6,) and buf.dtype == x.dtype, meta.shape == (2, 3)]
+        xt = torch.arange(6, dtype=torch.bfloat16)
+        view, buf, _ = dense.source(xt, t)
+        ok += [view.ctypes.data == xt.data_ptr(), buf.dtype == np.uint16]
+        ok += [dense.source(x.T, t) is None, dense.source(x.astype(">f4"), t) is None,
+               coded.source(x, t) is None, dense.source(xt.reshape(2, 3).T, t) is None]
+        return ok
+
+    assert all(all(r) for r in run_ranks(2, fn, timeout=20))

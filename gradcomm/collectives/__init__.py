@@ -31,6 +31,9 @@ DENSE = ("ring", "tree", "recursive_doubling", "rabenseifner", "native")
 ALGORITHMS = (*DENSE, "sparse_allgather", "auto")
 #: what ``check=`` accepts
 CHECK_MODES = (True, False, "first")
+#: algorithms that reduce out of place from a source buffer with no copy (``src=``); the
+#: others are given a copy of it in ``buf``
+SOURCE_ALGORITHMS = frozenset({"ring"})
 
 _FUNCS: dict[str, Callable[..., None]] = {}
 _NO_CONTEXT = contextlib.nullcontext()
@@ -47,8 +50,12 @@ def algorithm(name: str) -> Callable[..., None]:
 
 
 def dense_allreduce(t: Transport, buf: Any, op: str, dtype: str, algorithm_name: str = "auto",
-                    *, check: bool | str = True, problem: Exception | None = None) -> Any:
-    """Allreduce flat ``buf`` of logical ``dtype`` in place and return it.
+                    *, check: bool | str = True, problem: Exception | None = None,
+                    src: Any = None) -> Any:
+    """Allreduce flat ``buf`` of logical ``dtype`` in place and return it; with ``src``
+    (host, ``buf``'s size and dtype, not modified), reduce ``src`` into ``buf`` instead
+    (``buf``'s contents are not read: the ring folds from ``src`` with no copy, the other
+    algorithms copy it into ``buf`` first).
 
     ``check``:
 
@@ -115,13 +122,17 @@ def dense_allreduce(t: Transport, buf: Any, op: str, dtype: str, algorithm_name:
             auto.agree_profile(t)           # once per transport, collective (see auto)
         name = auto.select(t, int(buf.nbytes), dtype, red.base_op,
                            native=checked or (t.native_bounded and check != "first"))
-    orig = buf.copy() if red.op == "mean" and dtype == "float16" and t.size > 1 and \
-        type(buf) is np.ndarray else None
-    with np.errstate(over="ignore") if orig is not None else _NO_CONTEXT:
-        if tag == TAG_DATA:
-            (_FUNCS.get(name) or algorithm(name))(t, buf, red)
+    orig = None
+    if red.op == "mean" and dtype == "float16" and t.size > 1 and type(buf) is np.ndarray:
+        orig = buf.copy() if src is None else src
+    extra: dict[str, Any] = {} if tag == TAG_DATA else {"tag": tag}
+    if src is not None:
+        if name in SOURCE_ALGORITHMS:
+            extra["src"] = src
         else:
-            (_FUNCS.get(name) or algorithm(name))(t, buf, red, tag=tag)
+            np.copyto(buf, src)
+    with np.errstate(over="ignore") if orig is not None else _NO_CONTEXT:
+        (_FUNCS.get(name) or algorithm(name))(t, buf, red, **extra)
     if red.op == "mean":
         red.finalize(buf, t.size)
     if orig is not None:

@@ -13,7 +13,8 @@ payloads and decodes-adds-re-encodes at each hop. The operations:
 - ``encode(seg)``: the buffer to send for a partial segment;
 - ``reduce(recv, seg, recv_first)``: ``seg = decode(recv) (op) seg`` (the reverse order if
   not ``recv_first``); callers pass ``recv_first`` = "the peer is the lower rank", so
-  every rank evaluates the same expression;
+  every rank evaluates the same expression (:class:`DenseWire` also folds from another
+  buffer, ``mine``: the out-of-place ring);
 - ``final(seg)``: the buffer to send for a *finished* segment; a lossy wire also replaces
   ``seg`` by ``decode(encode(seg))`` so sender and receivers hold the same bytes. It must
   be deterministic: equal ``seg`` on two ranks gives equal bytes;
@@ -86,11 +87,14 @@ class DenseWire:
     def encode(self, seg: Any) -> Any:
         return seg
 
-    def reduce(self, recv: Any, seg: Any, recv_first: bool) -> None:
+    def reduce(self, recv: Any, seg: Any, recv_first: bool, mine: Any = None) -> None:
+        """``seg ← recv ⊕ mine`` in rank order; ``mine`` (this rank's own values of the
+        segment, default ``seg`` itself): an out-of-place ring's source."""
+        mine = seg if mine is None else mine
         if recv_first:
-            self.red.combine(recv, seg, seg)
+            self.red.combine(recv, mine, seg)
         else:
-            self.red.combine(seg, recv, seg)
+            self.red.combine(mine, recv, seg)
 
     def final(self, seg: Any) -> Any:
         return seg

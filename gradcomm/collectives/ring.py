@@ -36,22 +36,31 @@ from typing import Any
 
 from .. import arrays
 from ..comm.base import PIPELINE_CHUNK, TAG_DATA, Request, Transport
+from ..errors import ConfigError
 from ..ops import Reducer
 from ._segments import ring_schedule
-from ._wire import Wire, dense_wire
+from ._wire import DenseWire, Wire, dense_wire
 
 #: the pipeline chunk of the in-process transport (and every transport's smallest)
 CHUNK_BYTES = PIPELINE_CHUNK
 
 
 def allreduce(t: Transport, buf: Any, red: Reducer, *, tag: int = TAG_DATA,
-              wire: Wire | None = None, chunk_bytes: int | None = None) -> None:
+              wire: Wire | None = None, chunk_bytes: int | None = None,
+              src: Any = None) -> None:
     """Allreduce ``buf`` (flat, contiguous) in place across all ranks of ``t``.
 
     ``chunk_bytes`` must be the same on every rank (it fixes the message sizes); None
     asks the transport (:meth:`~gradcomm.comm.Transport.chunk_bytes` of the segment).
+    ``src`` (dense wire only): this rank's values, of ``buf``'s size and dtype, not
+    modified; ``buf``'s own contents are then never read (out of place, with no copy:
+    the first sends read ``src``, and each segment is folded from ``src`` into ``buf``).
     """
     p, rank, n = t.size, t.rank, arrays.size(buf)
+    if src is not None and wire is not None and not isinstance(wire, DenseWire):
+        raise ConfigError("ring.allreduce(src=...) folds raw values: a dense wire only")
+    if src is not None and (p == 1 or n == 0):
+        arrays.assign(buf, src)
     if p == 1 or n == 0:
         return
     size = arrays.itemsize(buf)
@@ -59,7 +68,7 @@ def allreduce(t: Transport, buf: Any, red: Reducer, *, tag: int = TAG_DATA,
         chunk_bytes = t.chunk_bytes(-(-n // p) * size)
     if wire is None:
         with dense_wire(t, red) as w:
-            allreduce(t, buf, red, tag=tag, wire=w, chunk_bytes=chunk_bytes)
+            allreduce(t, buf, red, tag=tag, wire=w, chunk_bytes=chunk_bytes, src=src)
         return
     w = wire
     right, left = (rank + 1) % p, (rank - 1) % p
@@ -67,7 +76,8 @@ def allreduce(t: Transport, buf: Any, red: Reducer, *, tag: int = TAG_DATA,
     first, jobs = ring_schedule(n, p, rank, max(1, chunk_bytes // size))
     # receives posted ahead of the one waited for: the transport's window, at least one
     depth = 1 + max(1, t.window_bytes // max(1, chunk_bytes))
-    sends: dict[int, list[Request]] = {0: [t.isend(w.encode(buf[lo:hi]), right, tag)
+    mine = buf if src is None else src      # this rank's own values
+    sends: dict[int, list[Request]] = {0: [t.isend(w.encode(mine[lo:hi]), right, tag)
                                            for lo, hi in first]}
     done = 0                                # sends of steps < done have completed
 
@@ -112,7 +122,10 @@ def allreduce(t: Transport, buf: Any, red: Reducer, *, tag: int = TAG_DATA,
         t.waitall([req])
         seg = buf[lo:hi]
         if s < p - 1:
-            w.reduce(landing, seg, left < rank)
+            if src is None:
+                w.reduce(landing, seg, left < rank)
+            else:                           # each segment is folded once, from src
+                w.reduce(landing, seg, left < rank, src[lo:hi])
             out = w.encode(seg) if s + 1 < p - 1 else w.final(seg)
         else:
             w.place(landing, seg)

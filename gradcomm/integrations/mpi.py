@@ -127,10 +127,14 @@ class GradcommComm:
             for b in (recv,) if send is None else (send, recv):
                 arrays.sync(b.obj)
         view = _native_view if route == "device" else _direct_view
-        rview = view(recv, dtype)
+        rview, src = view(recv, dtype), None
         if send is not None and send.count:
-            arrays.assign(rview, view(send, dtype))
-        self._gradcomm_reduce(rview, dtype, opname)
+            src = view(send, dtype)
+            if type(src) is not np.ndarray or type(rview) is not np.ndarray or \
+                    np.may_share_memory(src, rview):
+                arrays.assign(rview, src)       # device or overlapping: copied in first
+                src = None
+        self._gradcomm_reduce(rview, dtype, opname, src)
         arrays.sync(rview)                         # device results complete on return
         return None
 
@@ -195,8 +199,8 @@ class GradcommComm:
     def _gradcomm_compresses(self, dtype: str, op: str) -> bool:
         return self.gradcomm_plan.compresses(dtype, op)
 
-    def _gradcomm_reduce(self, buf: Any, dtype: str, op: str) -> None:
-        out = self.gradcomm_plan.run(self.gradcomm_transport, buf, dtype, op=op)
+    def _gradcomm_reduce(self, buf: Any, dtype: str, op: str, src: Any = None) -> None:
+        out = self.gradcomm_plan.run(self.gradcomm_transport, buf, dtype, op=op, src=src)
         if out is not buf:
             arrays.assign(buf, out)
 

@@ -33,6 +33,7 @@ import numpy as np
 from . import arrays, compressors
 from ._dtypes import FLOATS
 from .collectives import ALGORITHMS, DENSE, dense_allreduce
+from .comm.base import PIPELINE_CHUNK
 from .compressed import GATHER_ALGORITHMS, compressed_allreduce
 from .compressed._args import check_algorithm as check_codec_algorithm
 from .compressors.powersgd import PowerSGD
@@ -190,8 +191,11 @@ class Reduction:
     def source(self, x: Any, t: Any) -> tuple[Any, Any, arrays.Meta] | None:
         """For an out-of-place dense reduction of a host array :meth:`flat` could view:
         ``(x's flat view, an empty result buffer, its Meta)``, so the reduction reads
-        ``x`` where it lies (``run(..., src=view)``) and copies nothing in; else None."""
+        ``x`` where it lies (``run(..., src=view)``) and copies nothing in; else None.
+        Below one pipeline chunk (the latency algorithms, which copy it in anyway) None."""
         b = arrays.backend(x)
+        if b.nbytes(x) < PIPELINE_CHUNK:
+            return None
         meta = b.meta(x)
         if self.compresses(meta.dtype) or arrays.placement(meta, t.devices) != "host" or \
                 not _viewable(b, x, meta):

@@ -57,20 +57,22 @@ def test_exact_fallback_reduces_what_a_codec_cannot() -> None:
 def test_an_out_of_place_dense_call_reads_its_input_where_it_lies() -> None:
     """``Reduction.source``: a view of a C-contiguous host input and an empty result buffer
     for dense calls (so ``gradcomm.allreduce`` copies nothing in); None where the input
-    must be copied (non-contiguous, foreign byte order) or a codec reads it."""
+    must be copied (non-contiguous, foreign byte order), a codec reads it, or it is below
+    one pipeline chunk (latency algorithms copy it in anyway)."""
     torch = pytest.importorskip("torch")
 
     def fn(t):
         dense, coded = Reduction(), Reduction(compressor="int8")
-        x = np.arange(6, dtype=np.float32).reshape(2, 3)
+        x = np.arange(6 << 17, dtype=np.float32).reshape(2, 3 << 17)    # 3 MiB
         view, buf, meta = dense.source(x, t)
         ok = [np.shares_memory(view, x), not np.shares_memory(buf, x),
-              buf.shape == (6,) and buf.dtype == x.dtype, meta.shape == (2, 3)]
-        xt = torch.arange(6, dtype=torch.bfloat16)
+              buf.shape == (6 << 17,) and buf.dtype == x.dtype, meta.shape == x.shape,
+              dense.source(x[:, :100], t) is None]             # below one pipeline chunk
+        xt = torch.arange(6 << 17, dtype=torch.bfloat16)
         view, buf, _ = dense.source(xt, t)
         ok += [view.ctypes.data == xt.data_ptr(), buf.dtype == np.uint16]
         ok += [dense.source(x.T, t) is None, dense.source(x.astype(">f4"), t) is None,
-               coded.source(x, t) is None, dense.source(xt.reshape(2, 3).T, t) is None]
+               coded.source(x, t) is None, dense.source(xt.reshape(2, -1).T, t) is None]
         return ok
 
     assert all(all(r) for r in run_ranks(2, fn, timeout=20))

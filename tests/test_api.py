@@ -200,6 +200,34 @@ def test_torch_out_of_place() -> None:
             assert torch.equal(got, res[0][name]), (name, r)
 
 
+def test_large_torch_tensors_out_of_place_are_read_where_they_lie() -> None:
+    """Tensors of a pipeline chunk and more take the no-copy source path (the ring reads
+    them in place): the input is untouched, the result a new tensor of its dtype and
+    shape, exact, and the same bytes on every rank."""
+    from gradcomm._plan import Reduction
+
+    def fn(t: Any) -> list[Any]:
+        out = []
+        for dt in (torch.float32, torch.bfloat16, torch.float16, torch.int64):
+            x = torch.from_numpy(ints(t.rank, 1 << 18)).to(dt).reshape(512, -1)
+            keep = x.clone()
+            assert Reduction().source(x, t) is not None
+            y = gradcomm.allreduce(x, t, algorithm="ring")
+            out.append((torch.equal(x, keep), y.dtype == dt and y.shape == x.shape,
+                        y.data_ptr() != x.data_ptr(), y))
+        return out
+
+    res = on_ranks(fn)
+    for i, dt in enumerate((torch.float32, torch.bfloat16, torch.float16, torch.int64)):
+        want = sum(torch.from_numpy(ints(r, 1 << 18)).double().reshape(512, -1)
+                   for r in range(P))
+        for r in range(P):
+            kept, kind, fresh, y = res[r][i]
+            assert kept and kind and fresh, (dt, r)
+            assert torch.equal(y.double(), want), (dt, r)
+            assert torch.equal(y.view(torch.uint8), res[0][i][3].view(torch.uint8)), (dt, r)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_torch_in_place(dtype: torch.dtype) -> None:
     def fn(t: Any) -> list[bool]:

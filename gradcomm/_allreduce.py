@@ -63,7 +63,7 @@ def _reduce(x: Any, comm: Any, problem: Exception | None, *, op: str = "sum",
     plan = _plan_of(op, algorithm, compressor, check) if not options else None
     if plan is None:
         plan = Reduction(op, algorithm, compressor, options, None, check)
-    src, got = None, None if in_place else plan.source(x, t)
+    src, got = None, (None if in_place else plan.source(x, t))
     if got is None:
         buf, meta = plan.flat(x, t, in_place)
     else:
@@ -210,12 +210,14 @@ class Allreduce:
         """Reduce ``x`` (not modified); the residual and step of ``key`` are used."""
         t = self.transport
         ef = self.error_feedback
-        g2 = None
+        g2 = src = None
         if self.guard is not None and type(x) is np.ndarray and x.dtype == np.float32 \
                 and x.flags.c_contiguous:           # the copy and the guard's input norm
             buf = np.empty(x.size, np.float32)      # in one pass (as plan.flat copies)
             g2 = _kernels.for_size(x.size).copy_sq_norm(x.reshape(-1), buf)
             meta = arrays.backend(x).meta(x)
+        elif (got := self.plan.source(x, t)) is not None:   # dense: read where it lies
+            src, buf, meta = got
         else:
             buf, meta = self.plan.flat(x, t)
         compressed = self.plan.compresses(meta.dtype)  # (a sparse gradient may go
@@ -226,7 +228,7 @@ class Allreduce:
         try:
             buf = self.plan.run(t, buf, meta.dtype, meta=meta,
                                 residuals=ef if compressed else None,
-                                key=key if compressed else None)
+                                key=key if compressed else None, src=src)
             tally, ef.tally = ef.tally, None
         finally:
             ef.tally = None

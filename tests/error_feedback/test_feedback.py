@@ -223,6 +223,24 @@ def test_allreduce_object_basics() -> None:
         gradcomm.Allreduce(None, compressor="none", seed=-3)
 
 
+def test_a_dense_allreduce_object_reads_a_large_input_where_it_lies() -> None:
+    """Without a codec, an input of a pipeline chunk and more goes to the reduction as its
+    source (no copy in): exact sum and mean, the input untouched, a fresh result."""
+    n = (1 << 17) + 3                                   # float64: 1 MiB and 24 B
+
+    def fn(t):
+        x = (np.arange(n, dtype=np.int64) * 7919 % 1013 + t.rank).astype(np.float64)
+        keep = x.copy()
+        s = gradcomm.Allreduce(t, op="sum")(x, key="w")
+        m = gradcomm.Allreduce(t, op="mean", algorithm="ring")(x, key="w")
+        return np.array_equal(x, keep) and not np.shares_memory(s, x), s, m
+
+    want = sum((np.arange(n, dtype=np.int64) * 7919 % 1013 + r).astype(np.float64)
+               for r in range(3))
+    for kept, s, m in run_ranks(3, fn):
+        assert kept and np.array_equal(s, want) and np.array_equal(m, want / 3)
+
+
 def test_load_state_of_another_configuration_is_refused() -> None:
     a = gradcomm.Allreduce(None, compressor="none", seed=1)
     b = gradcomm.Allreduce(None, compressor="none", seed=2)

@@ -57,19 +57,16 @@ def _reduce(x: Any, comm: Any, problem: Exception | None, *, op: str = "sum",
             in_place: bool = False, **options: Any) -> Any:
     """:func:`allreduce`; ``problem``: this rank's objection to the call, raised here
     before data moves (the other ranks learn of it from the check). ``in_place``
-    (:func:`allreduce_`): reduce in ``x``'s own memory where :meth:`Reduction.flat` can
-    view it, and return ``x`` then (else the result, as without it)."""
+    (:func:`allreduce_`): reduce in ``x``'s own memory where :meth:`Reduction.views`
+    allows it, and return ``x`` then (else the result, as without it)."""
     t = get_transport(comm)
     plan = _plan_of(op, algorithm, compressor, check) if not options else None
     if plan is None:
         plan = Reduction(op, algorithm, compressor, options, None, check)
-    src, got = None, (None if in_place else plan.source(x, t))
-    if got is None:
-        buf, meta = plan.flat(x, t, in_place)
-    else:
-        src, buf, meta = got
+    got = plan.views(x, t, in_place)
+    src, buf, meta = (None, *plan.flat(x, t)) if got is None else got
     y = plan.run(t, buf, meta.dtype, meta=meta, problem=problem, src=src)
-    if in_place and arrays.data_ptr(buf) == arrays.data_ptr(x):   # x's own memory
+    if in_place and got is not None:            # buf is x's own memory
         if y is not buf:
             np.copyto(buf, y)
         return x
@@ -216,7 +213,7 @@ class Allreduce:
             buf = np.empty(x.size, np.float32)      # in one pass (as plan.flat copies)
             g2 = _kernels.for_size(x.size).copy_sq_norm(x.reshape(-1), buf)
             meta = arrays.backend(x).meta(x)
-        elif (got := self.plan.source(x, t)) is not None:   # dense: read where it lies
+        elif (got := self.plan.views(x, t)) is not None:    # dense: read where it lies
             src, buf, meta = got
         else:
             buf, meta = self.plan.flat(x, t)

@@ -163,11 +163,9 @@ class Reduction:
                 dtype in FLOATS
         return self.compressor is not None or self.algorithm in GATHER_ALGORITHMS
 
-    def flat(self, x: Any, t: Any, in_place: bool = False) -> tuple[Any, arrays.Meta]:
+    def flat(self, x: Any, t: Any) -> tuple[Any, arrays.Meta]:
         """A fresh flat working copy of array ``x`` and its Meta, placed where the
-        reduction runs on transport ``t``; with ``in_place`` (``allreduce_``), a flat view
-        of ``x`` itself where it is already a host buffer the reduction can work in (a
-        C-contiguous numpy array in native byte order or CPU tensor: no copy in, none out).
+        reduction runs on transport ``t``.
 
         :func:`arrays.placement` decides where: dense sums keep a device array on the
         device only on a transport that moves device buffers (CUDA-aware MPI), else they
@@ -178,30 +176,35 @@ class Reduction:
         """
         b = arrays.backend(x)
         meta = b.meta(x)
-        if not self.compresses(meta.dtype):
-            where = arrays.placement(meta, t.devices)
-        elif type(x) is np.ndarray:
-            where = "host"
-        else:
-            where = arrays.placement(meta, codecs=True)
-        if in_place and where == "host" and _viewable(b, x, meta):
-            return b.host_view(x), meta
-        return b.to_flat(x, meta, where), meta
+        return b.to_flat(x, meta, self._where(x, meta, t)), meta
 
-    def source(self, x: Any, t: Any) -> tuple[Any, Any, arrays.Meta] | None:
-        """For an out-of-place dense reduction of a host array :meth:`flat` could view:
-        ``(x's flat view, an empty result buffer, its Meta)``, so the reduction reads
-        ``x`` where it lies (``run(..., src=view)``) and copies nothing in; else None.
-        Below one pipeline chunk (the latency algorithms, which copy it in anyway) None."""
+    def _where(self, x: Any, meta: arrays.Meta, t: Any) -> str:
+        """The placement :meth:`flat` gives ``x`` (described by ``meta``) on ``t``."""
+        if not self.compresses(meta.dtype):
+            return arrays.placement(meta, t.devices)
+        return "host" if type(x) is np.ndarray else arrays.placement(meta, codecs=True)
+
+    def views(self, x: Any, t: Any, in_place: bool = False
+              ) -> tuple[Any, Any, arrays.Meta] | None:
+        """``(src, buf, meta)`` where the reduction can work in ``x``'s own memory instead
+        of :meth:`flat`'s copy (a host array :meth:`flat` would place on the host: a
+        C-contiguous numpy array in native byte order or CPU tensor), else None:
+
+        - ``in_place`` (``allreduce_``): ``(None, x's flat view, meta)``: no copy in,
+          none out;
+        - else, for a dense reduction of one pipeline chunk and more (below it the
+          latency algorithms copy it in anyway): ``(x's flat view, an empty result
+          buffer, meta)``, so the reduction reads ``x`` where it lies
+          (``run(..., src=view)``)."""
         b = arrays.backend(x)
-        if b.nbytes(x) < PIPELINE_CHUNK:
+        if not in_place and b.nbytes(x) < PIPELINE_CHUNK:
             return None
         meta = b.meta(x)
-        if self.compresses(meta.dtype) or arrays.placement(meta, t.devices) != "host" or \
-                not _viewable(b, x, meta):
+        if (not in_place and self.compresses(meta.dtype)) or \
+                self._where(x, meta, t) != "host" or not _viewable(b, x, meta):
             return None
         view = b.host_view(x)
-        return view, np.empty_like(view), meta
+        return (None, view, meta) if in_place else (view, np.empty_like(view), meta)
 
     def run(self, t: Any, buf: Any, dtype: str, *, op: str | None = None,
             meta: arrays.Meta | None = None, residuals: ResidualStore | None = None,
@@ -213,7 +216,7 @@ class Reduction:
         ``key``: error feedback and the step of ``key`` (compressed calls); ``problem``:
         the caller's objection to this rank's call, raised on this rank before data moves
         (the others learn of it from the cross-rank check); ``src`` (from
-        :meth:`source`): the values to reduce into ``buf``, read where they lie."""
+        :meth:`views`): the values to reduce into ``buf``, read where they lie."""
         op = op or self.op
         if not self.compresses(dtype, op):
             check_options(self.compressor, self.options)

@@ -55,24 +55,30 @@ def test_exact_fallback_reduces_what_a_codec_cannot() -> None:
 
 
 def test_an_out_of_place_dense_call_reads_its_input_where_it_lies() -> None:
-    """``Reduction.source``: a view of a C-contiguous host input and an empty result buffer
+    """``Reduction.views``: a view of a C-contiguous host input and an empty result buffer
     for dense calls (so ``gradcomm.allreduce`` copies nothing in); None where the input
     must be copied (non-contiguous, foreign byte order), a codec reads it, or it is below
-    one pipeline chunk (latency algorithms copy it in anyway)."""
+    one pipeline chunk (latency algorithms copy it in anyway). In place (``allreduce_``):
+    the view is the buffer, at any size and with a codec too."""
     torch = pytest.importorskip("torch")
 
     def fn(t):
         dense, coded = Reduction(), Reduction(compressor="int8")
         x = np.arange(6 << 17, dtype=np.float32).reshape(2, 3 << 17)    # 3 MiB
-        view, buf, meta = dense.source(x, t)
+        view, buf, meta = dense.views(x, t)
         ok = [np.shares_memory(view, x), not np.shares_memory(buf, x),
               buf.shape == (6 << 17,) and buf.dtype == x.dtype, meta.shape == x.shape,
-              dense.source(x[:, :100], t) is None]             # below one pipeline chunk
+              dense.views(x[:, :100], t) is None]             # below one pipeline chunk
         xt = torch.arange(6 << 17, dtype=torch.bfloat16)
-        view, buf, _ = dense.source(xt, t)
+        view, buf, _ = dense.views(xt, t)
         ok += [view.ctypes.data == xt.data_ptr(), buf.dtype == np.uint16]
-        ok += [dense.source(x.T, t) is None, dense.source(x.astype(">f4"), t) is None,
-               coded.source(x, t) is None, dense.source(xt.reshape(2, -1).T, t) is None]
+        ok += [dense.views(x.T, t) is None, dense.views(x.astype(">f4"), t) is None,
+               coded.views(x, t) is None, dense.views(xt.reshape(2, -1).T, t) is None]
+        small = x[:, :100].copy()                       # in place: any size, any codec
+        for plan in (dense, coded):
+            src, buf, _ = plan.views(small, t, in_place=True)
+            ok += [src is None, np.shares_memory(buf, small), buf.shape == (200,),
+                   plan.views(x.T, t, in_place=True) is None]
         return ok
 
     assert all(all(r) for r in run_ranks(2, fn, timeout=20))

@@ -77,7 +77,7 @@ class CommHookState:
         if ramp == "auto":
             ramp = default_ramp(self.compressor)
         auto_start = start_iter == "auto"
-        if start_iter == "auto":
+        if auto_start:
             start_iter = default_start_iter(self.compressor)
         if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
             raise ConfigError(f"start_iter must be an int >= 0 or 'auto', got {start_iter!r}")

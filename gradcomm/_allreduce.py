@@ -17,6 +17,7 @@ import numpy as np
 
 from . import arrays
 from ._plan import Reduction
+from .collectives import small
 from .compressors import _kernels
 from .comm import get_transport
 from .compressed.guard import DEFAULT_BOUND, Guard
@@ -60,12 +61,18 @@ def _reduce(x: Any, comm: Any, problem: Exception | None, *, op: str = "sum",
     (:func:`allreduce_`): reduce in ``x``'s own memory where :meth:`Reduction.views`
     allows it, and return ``x`` then (else the result, as without it)."""
     t = get_transport(comm)
+    small_ = check is True and compressor is None and problem is None and not options \
+        and small.eligible(x)
+    if small_ and (call := small.lookup(t, x, op, algorithm)) is not None:
+        return call.run(x if in_place else x.copy())     # resolved by an earlier call
     plan = _plan_of(op, algorithm, compressor, check) if not options else None
     if plan is None:
         plan = Reduction(op, algorithm, compressor, options, None, check)
     got = plan.views(x, t, in_place)
     src, buf, meta = (None, *plan.flat(x, t)) if got is None else got
     y = plan.run(t, buf, meta.dtype, meta=meta, problem=problem, src=src)
+    if small_:
+        small.install(t, x.size, x.dtype, op, algorithm)
     if in_place and got is not None:            # buf is x's own memory
         if y is not buf:
             np.copyto(buf, y)

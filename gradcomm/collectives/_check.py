@@ -125,6 +125,21 @@ def agree(t: Transport, collective: str, *, once: bool = False,
     sig = _signature(t, collective, fields)
     if once and sig.verified:
         return None
+    return verify(t, sig, negotiable)
+
+
+def signature(t: Transport, collective: str, **fields: Any) -> _Signature:
+    """The packed arguments that :func:`verify` exchanges (kept per transport): for a
+    caller that checks the same arguments often and keeps them (see
+    :mod:`~gradcomm.collectives.small`)."""
+    return _signature(t, collective, fields)
+
+
+def verify(t: Transport, sig: _Signature, negotiable: Collection[str] = ()
+           ) -> frozenset[str]:
+    """The exchange of :func:`agree` for packed arguments ``sig`` (:func:`signature`):
+    MismatchError on every rank unless all ranks passed equal ones (those in
+    ``negotiable`` are returned instead)."""
     buf = sig.native.copy()
     if t.fast_native:
         t.small_allreduce(buf, "max", "int64")
@@ -154,7 +169,7 @@ def agree(t: Transport, collective: str, *, once: bool = False,
             parts.append(f"dtype differs (e.g. {NAMES[int(lo[i])]} vs {NAMES[int(hi[i])]})")
         else:
             parts.append(f"{name} differs (this rank: {value!r})")
-    raise MismatchError(f"rank {t.rank}: ranks called {collective} with different "
+    raise MismatchError(f"rank {t.rank}: ranks called {sig.values[0]} with different "
                         f"arguments: {'; '.join(parts)}")
 
 

@@ -184,6 +184,7 @@ def agree_profile(t: Transport) -> Profile | None:
     st = t.state
     st.profile, st.profile_agreed = prof, True
     st.choices.clear()
+    st.small.clear()
     return prof
 
 

@@ -31,6 +31,8 @@ class TransportState:
             (:func:`gradcomm.collectives.auto.use_profile` / ``local_profile``).
         choices: ``auto``'s algorithm per (bytes, dtype, op, native), for the agreed
             profile (cleared when it changes).
+        small: the resolved small calls by (count, numpy dtype, op, algorithm), for the
+            agreed profile (:mod:`gradcomm.collectives.small`; cleared when it changes).
         steps: call counters by name (:meth:`next_step`), for calls without a residual
             store: their step seeds the stochastic codecs.
         arena: the compressed allreduce's reusable buffers (set by that layer).
@@ -43,7 +45,8 @@ class TransportState:
     """
 
     __slots__ = ("signatures", "profile", "profile_agreed", "local_profile",
-                 "local_profile_set", "choices", "steps", "arena", "plans", "scratch", "lock")
+                 "local_profile_set", "choices", "small", "steps", "arena", "plans", "scratch",
+                 "lock")
 
     def __init__(self) -> None:
         self.signatures: dict[Any, Any] = {}
@@ -52,6 +55,7 @@ class TransportState:
         self.local_profile: Any = None
         self.local_profile_set = False
         self.choices: dict[tuple[Any, ...], str] = {}
+        self.small: dict[tuple[Any, ...], Any] = {}
         self.steps: dict[str, int] = {}
         self.arena: Any = None
         self.plans: dict[tuple[Any, ...], Any] = {}

@@ -52,6 +52,7 @@ import numpy as np
 
 from .. import arrays
 from .._dtypes import storage
+from ..collectives import small
 from ..errors import BufferFormatError, ConfigError
 
 #: logical dtypes the wrapper reduces itself (bool is left to MPI: it only allows LOR/LAND)
@@ -90,6 +91,9 @@ class GradcommComm:
     _gradcomm_inner: Any = None
     #: the transport, made at the first reduction
     _gradcomm_transport: Any = None
+    #: ``((MPI.IN_PLACE, ""), (MPI.SUM, "sum"), ...)`` where this communicator's dense
+    #: checked reductions may take the small-call path, else empty
+    _gradcomm_ops: tuple[tuple[Any, str], ...] = ()
 
     @property
     def gradcomm_transport(self) -> Any:
@@ -104,7 +108,38 @@ class GradcommComm:
 
     def Allreduce(self, sendbuf: Any, recvbuf: Any, op: Any = None) -> None:
         """mpi4py's ``Allreduce``, through gradcomm where it can (see the module doc)."""
+        if self._gradcomm_ops and small.eligible(recvbuf):
+            name = self._gradcomm_small(sendbuf, recvbuf, op)
+            if name is None:
+                return None
+            self._gradcomm_allreduce(sendbuf, recvbuf, op)
+            if name:                    # completed: the next such call takes the short cut
+                small.install(self.gradcomm_transport, recvbuf.size, recvbuf.dtype, name,
+                              self.gradcomm_plan.algorithm)
+            return None
         return self._gradcomm_allreduce(sendbuf, recvbuf, op)
+
+    def _gradcomm_small(self, sendbuf: Any, recvbuf: np.ndarray, op: Any) -> str | None:
+        """The small-call path (:mod:`gradcomm.collectives.small`) of a plain numpy
+        ``recvbuf`` (of the same dtype and shape as a numpy ``sendbuf``, or in place) whose
+        reduction an earlier call resolved: reduces and returns None. Otherwise the op's
+        name, if the call may be resolved once it completed, else ``""``."""
+        name = "sum" if op is None else ""
+        for o, n in self._gradcomm_ops:
+            if op is o:
+                name = n
+        in_place = sendbuf is self._gradcomm_ops[0][0]
+        if not name or not recvbuf.flags.writeable or recvbuf.dtype not in _PLAIN or \
+                not in_place and (type(sendbuf) is not np.ndarray or
+                                  sendbuf.dtype != recvbuf.dtype or
+                                  sendbuf.shape != recvbuf.shape):
+            return ""
+        call = small.lookup(self.gradcomm_transport, recvbuf, name,
+                            self.gradcomm_plan.algorithm)
+        if call is None:
+            return name
+        call.run(recvbuf, None if in_place else sendbuf)
+        return None
 
     def _gradcomm_allreduce(self, sendbuf: Any, recvbuf: Any, op: Any = None,
                             route: str | None = None) -> None:
@@ -254,9 +289,12 @@ def wrap(comm: Any, algorithm: str = "auto", compressor: Any = None, *, check: b
     base = type(comm)._gradcomm_base if isinstance(comm, GradcommComm) else type(comm)
     opts = {"algorithm": algorithm, "compressor": compressor, "check": bool(check),
             "seed": seed, "timeout": timeout, "options": dict(options)}
+    ops = ((MPI.IN_PLACE, ""), *((getattr(MPI, a), n) for a, n in _OPS)) \
+        if plan.compressor is None and plan.check is True and algorithm in ("auto", "native") \
+        and issubclass(base, MPI.Intracomm) else ()
     cls = type(f"Wrapped{base.__name__}", (GradcommComm, base),
                {"gradcomm_options": opts, "gradcomm_plan": plan, "_gradcomm_base": base,
-                "__module__": __name__})
+                "_gradcomm_ops": ops, "__module__": __name__})
     wrapped = cls(comm)
     wrapped._gradcomm_inner = inner
     return wrapped

@@ -1,0 +1,151 @@
+"""The small-call path (``gradcomm.collectives.small``) under a real mpirun, 3 ranks.
+
+A checked dense allreduce below one pipeline chunk that goes to ``MPI_Allreduce`` is
+resolved once per (count, dtype, op, algorithm); later calls skip the general path. Each
+case checks that the short cut was taken (the general path's ``dense_allreduce`` not
+called), the exact result (per-rank integers, no period) at counts 1, 2 (< p), 5 (not
+divisible by p) and 1000, and that it is still a checked call: a rank passing another
+count, op or dtype is a MismatchError on every rank (whether or not the others took the
+short cut), a rank that never joins a DeadlineError, and a rank without the entry (the
+general path) still meets the ones with it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests._launch import mpi_call, require_mpi
+
+COUNTS = (1, 2, 5, 1000)
+CASES = (("float32", "sum"), ("float64", "mean"), ("int32", "max"), ("int64", "min"),
+         ("float64", "prod"))
+
+
+def small_calls() -> dict[str, Any]:
+    import time
+
+    import numpy as np
+    from mpi4py import MPI
+
+    import gradcomm
+    import gradcomm._plan as plan_module
+    from gradcomm.bench.data import exact_input, exact_result
+    from gradcomm.collectives._check import agree
+    from gradcomm.comm import get_transport
+    from gradcomm.comm.mpi import MPITransport
+    from gradcomm.errors import DeadlineError, MismatchError
+    from gradcomm.integrations.mpi import wrap
+
+    t = get_transport(MPI.COMM_WORLD, timeout=20)
+    rank, p = t.rank, t.size
+    general = [0]
+    inner = plan_module.dense_allreduce
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        general[0] += 1
+        return inner(*args, **kwargs)
+
+    plan_module.dense_allreduce = counted
+    out: dict[str, Any] = {"wrong": [], "general": []}
+
+    def outcome(fn: Any) -> str:
+        try:
+            fn()
+        except (MismatchError, DeadlineError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "ok"
+
+    for dtype, op in CASES:
+        for n in COUNTS:
+            x = exact_input(rank, n, dtype, op)
+            want = exact_result(p, n, dtype, op).tobytes()
+            before = general[0]
+            for i in range(3):                  # the general path once, then the short cut
+                y = gradcomm.allreduce(x, t, op=op)
+                z = x.copy()
+                gradcomm.allreduce_(z, t, op=op)
+                if y.tobytes() != want or z.tobytes() != want or y.shape != x.shape or \
+                        np.shares_memory(x, y):
+                    out["wrong"].append((dtype, op, n, i))
+            out["general"].append(general[0] - before)
+            assert x.tobytes() == exact_input(rank, n, dtype, op).tobytes()
+
+    x = exact_input(rank, 5, "float32", "sum")
+    y = np.empty_like(x)
+    comm = wrap(MPI.COMM_WORLD)
+    want = exact_result(p, 5, "float32", "sum").tobytes()
+    before = general[0]
+    for i in range(3):
+        y[:] = -1
+        comm.Allreduce(x, y)
+        z = x.copy()
+        comm.Allreduce(MPI.IN_PLACE, z)
+        if y.tobytes() != want or z.tobytes() != want:
+            out["wrong"].append(("wrap", i))
+    out["wrap_general"] = general[0] - before
+    y[:] = -1
+    out["wrap_count"] = outcome(lambda: comm.Allreduce(x[:4 + (rank == 1)],
+                                                       y[:4 + (rank == 1)]))
+    out["wrap_untouched"] = bool((y == -1).all())
+
+    # the short cut is still checked: rank 1 passes other arguments (which it has
+    # resolved too, or not: the general path)
+    ones = {n: np.ones(n, np.float32) for n in (7, 8)}
+    for n in (7, 8):
+        for i in range(2):
+            gradcomm.allreduce(ones[n], t)
+    before = general[0]
+    out["count"] = outcome(lambda: gradcomm.allreduce(ones[8 if rank == 1 else 7], t))
+    out["op"] = outcome(lambda: gradcomm.allreduce(ones[7], t, op="max" if rank == 1
+                                                   else "sum"))
+    out["dtype"] = outcome(lambda: gradcomm.allreduce(
+        ones[7].astype(np.float64) if rank == 1 else ones[7], t))
+    out["new_count"] = outcome(lambda: gradcomm.allreduce(np.ones(9 if rank == 1 else 7,
+                                                                  np.float32), t))
+    out["mismatch_general"] = general[0] - before
+    if rank == 1:
+        t.state.small.clear()               # rank 1 goes the general way, the others not
+    before = general[0]
+    out["mixed"] = gradcomm.allreduce(ones[7], t).tolist() == [float(p)] * 7
+    out["mixed_general"] = general[0] - before
+
+    # a rank that never joins: the short cut's check expires (DeadlineError)
+    late = MPITransport(MPI.COMM_WORLD, timeout=20)
+    gradcomm.allreduce(np.ones(3), late)
+    late.timeout = 0.5
+    if rank == 0:
+        start = time.monotonic()
+        out["late"] = outcome(lambda: gradcomm.allreduce(np.ones(3), late))
+        out["late_seconds"] = time.monotonic() - start
+    MPI.COMM_WORLD.Barrier()
+    if rank != 0:
+        late.timeout = 20
+        agree(late, "allreduce", count=3, dtype="float64", op="sum", algorithm="auto",
+              valid=True)
+    MPI.COMM_WORLD.Barrier()
+    late.timeout = 20
+    out["after_late"] = gradcomm.allreduce(np.ones(3), late).tolist() == [float(p)] * 3
+    late.close()
+    plan_module.dense_allreduce = inner
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_small_calls_take_the_short_cut_and_stay_checked() -> None:
+    require_mpi()
+    res = mpi_call(small_calls, 3, timeout=100, env={"GRADCOMM_PROFILE": "none"})
+    for r in res:
+        assert r["wrong"] == []
+        # allreduce and allreduce_ resolve the same entry: the general path once per case
+        assert r["general"] == [1] * (len(CASES) * len(COUNTS))
+        assert r["wrap_general"] == 1
+        for case in ("count", "op", "dtype", "new_count", "wrap_count"):
+            assert r[case].startswith("MismatchError"), (case, r[case])
+        assert "count ranges from 7 to 8" in r["count"]
+        assert r["wrap_untouched"]
+        assert r["mixed"] and r["after_late"]
+    assert [r["mismatch_general"] for r in res] == [0, 3, 0]   # rank 1: new op, dtype, count
+    assert [r["mixed_general"] for r in res] == [0, 1, 0]
+    assert res[0]["late"].startswith("DeadlineError") and 0.4 < res[0]["late_seconds"] < 5

@@ -4,7 +4,8 @@ With a calibrated profile (``python -m gradcomm.bench --calibrate``, see
 :mod:`~gradcomm.collectives.costmodel`) the algorithm with the lowest modelled time wins.
 Without one, a table from the α-β model: below :data:`SMALL` bytes latency dominates, so
 the library's own allreduce where it is fast and reduces the dtype correctly (MPI: one C
-call; not float16/bfloat16) and recursive doubling otherwise; above it bandwidth
+call; not float16/bfloat16; over shared memory up to the transport's ``native_below``,
+1 MiB, where it beats the ring) and recursive doubling otherwise; above it bandwidth
 dominates and ring's 2(p-1)/p·n bytes per rank win (Rabenseifner sends the same bytes in
 fewer rounds for power-of-two p > 2).
 
@@ -14,7 +15,8 @@ is known to be in this very call); transports whose native allreduce waits with 
 deadline (``native_bounded``: threads, torch) may use it for any call.
 
 **Same choice on every rank.** The choice depends only on the arguments (which the check
-makes equal) and on the transport's *agreed* profile. Each rank has a local candidate
+makes equal) and on the transport's *agreed* profile (and ``native_below``, agreed with
+it). Each rank has a local candidate
 (:func:`local_profile`: ``GRADCOMM_PROFILE``, else the default cache file for the
 transport and rank count; in-process ``threads`` ranks read only ``GRADCOMM_PROFILE``),
 but ``auto`` uses a profile only once the ranks agreed on it: at the first ``auto`` call
@@ -56,8 +58,10 @@ def table(t: Transport, nbytes: int, native: bool = False) -> str:
         ('recursive_doubling', 'rabenseifner')
     """
     p = t.size
+    if native and t.fast_native and nbytes < t.state.native_below:
+        return "native"
     if nbytes < SMALL:
-        return "native" if native and t.fast_native else "recursive_doubling"
+        return "recursive_doubling"
     if p > 2 and p & (p - 1) == 0:
         return "rabenseifner"
     return "ring"
@@ -178,11 +182,13 @@ def agree_profile(t: Transport) -> Profile | None:
     from ._check import agree
 
     local = local_profile(t)
-    differ = agree(t, "auto profile", negotiable=("profile",),
-                   profile=local.digest() if local is not None else 0)
-    prof = _broadcast_root(t, local) if differ else local
+    differ = agree(t, "auto profile", negotiable=("profile", "native_below"),
+                   profile=local.digest() if local is not None else 0,
+                   native_below=t.native_below)
+    prof = _broadcast_root(t, local) if "profile" in differ else local
     st = t.state
     st.profile, st.profile_agreed = prof, True
+    st.native_below = SMALL if "native_below" in differ else t.native_below
     st.choices.clear()
     st.small.clear()
     return prof

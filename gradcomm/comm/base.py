@@ -47,6 +47,10 @@ PIPELINE_CHUNK = 512 * 1024
 #: the largest message of a pipelined dense collective (MPI and torch)
 NETWORK_WINDOW = 64 << 20
 NETWORK_MAX_CHUNK = 16 << 20
+#: :attr:`Transport.native_below` of MPI over shared memory: there a checked
+#: MPI_Allreduce beats the ring 2-3x from 64 to 256 KiB, and ties it from 1 to 8 MiB
+#: (bench/RESULTS.md, issue 12)
+ONE_NODE_NATIVE = 1 << 20
 
 
 class Request(Protocol):
@@ -93,6 +97,11 @@ class Transport(ABC):
     #: :meth:`small_allreduce`, and ``algorithm="auto"`` may hand small checked messages
     #: to :meth:`native_allreduce`. May be set per instance.
     fast_native: bool = False
+    #: below this many bytes ``auto``'s built-in table (no profile) prefers the
+    #: library's allreduce where :attr:`fast_native` allows it (MPI over shared memory:
+    #: larger, bench/RESULTS.md). The ranks agree on it with the profile (any
+    #: difference: :data:`~gradcomm.collectives.auto.SMALL` everywhere). Per instance.
+    native_below: int = 64 << 10
     #: True where :meth:`native_allreduce` waits with the deadline (so ``auto`` may pick it
     #: for calls without the argument check); MPI's blocking MPI_Allreduce does not
     native_bounded: bool = False

@@ -2,17 +2,17 @@
 
 :class:`MPITransport` duplicates the user's communicator once (``MPI_Comm_idup``, waited
 with the deadline), so library messages can never match the program's own sends and
-receives. Buffers travel as raw bytes
-(``[buf, MPI.BYTE]``) straight from their memory: numpy arrays through the buffer protocol;
-device arrays (cupy, torch CUDA) through ``__cuda_array_interface__`` / DLPack when the MPI
-is CUDA-aware (see :attr:`MPITransport.devices`). Nothing is pickled.
+receives. Buffers travel as raw bytes (``[buf, MPI.BYTE]``) straight from their memory:
+numpy arrays through the buffer protocol; device arrays (cupy, torch CUDA) through
+``__cuda_array_interface__`` / DLPack when the MPI is CUDA-aware (see
+:attr:`MPITransport.devices`). Nothing is pickled.
 
 Every wait polls with a deadline: a peer that never posts its side raises
 :class:`~gradcomm.errors.DeadlineError` instead of hanging. A received message of another
 size than the posted buffer raises :class:`~gradcomm.errors.TransportError`.
 
-Run multi-rank programs as ``mpirun -n 4 python -m mpi4py prog.py``: an uncaught error
-on one rank then aborts the whole job instead of leaving the other ranks waiting.
+Run multi-rank programs as ``mpirun -n 4 python -m mpi4py prog.py``: an error on one
+rank then aborts the job instead of leaving the others waiting.
 
 Example:
     >>> import numpy as np
@@ -35,8 +35,8 @@ from typing import Any, Sequence
 
 from .. import arrays
 from ..errors import ConfigError, DeadlineError, TransportError, UnsupportedError
-from .base import (DEFAULT_TIMEOUT, NETWORK_MAX_CHUNK, NETWORK_WINDOW, SPIN_SECONDS, TAG_DATA,
-                   Request, Transport, poll)
+from .base import (DEFAULT_TIMEOUT, NETWORK_MAX_CHUNK, NETWORK_WINDOW, ONE_NODE_NATIVE,
+                   SPIN_SECONDS, TAG_DATA, Request, Transport, poll)
 
 #: logical dtype -> MPI datatype attribute; 16-bit floats are absent on purpose: Open MPI
 #: rejects MPI_FLOAT16_T in reductions and mpi4py maps bfloat16 to a type MPI mis-sums
@@ -108,10 +108,10 @@ class MPITransport(Transport):
 
     name = "mpi"
     fast_native = True          # MPI_Allreduce of a few hundred bytes is one C call
-    # over TCP every message above the eager limit (64 KiB) waits for its receive to be
-    # posted (a rendezvous): deep windows and large messages keep the link streaming
-    # (bench/RESULTS.md, issue 12). Over shared memory a deep window is slower: there
-    # (:func:`one_node`) an instance double buffers; the cost model reads the class's.
+    # over TCP a message above the eager limit (64 KiB) waits for its receive (a
+    # rendezvous): deep windows keep the link streaming. Over shared memory
+    # (:func:`one_node`) an instance double buffers and prefers MPI_Allreduce up to
+    # ONE_NODE_NATIVE; the cost model reads the class's window (bench/RESULTS.md).
     window_bytes = NETWORK_WINDOW
     max_chunk_bytes = NETWORK_MAX_CHUNK
 
@@ -129,7 +129,7 @@ class MPITransport(Transport):
         self._comm: Any = self._duplicate(comm)
         self._cuda = cuda_aware()
         if one_node():
-            self.window_bytes = 0
+            self.window_bytes, self.native_below = 0, ONE_NODE_NATIVE
         self.devices = frozenset({"cpu", "cuda"}) if self._cuda else frozenset({"cpu"})
         # (dtype, op) -> (MPI datatype, MPI op), filled on first use
         self._native: dict[tuple[str, str], tuple[Any, Any]] = {}

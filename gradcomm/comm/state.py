@@ -31,6 +31,8 @@ class TransportState:
             (:func:`gradcomm.collectives.auto.use_profile` / ``local_profile``).
         choices: ``auto``'s algorithm per (bytes, dtype, op, native), for the agreed
             profile (cleared when it changes).
+        native_below: the agreed :attr:`~gradcomm.comm.Transport.native_below`, valid
+            once ``profile_agreed``.
         small: the resolved small calls by (count, numpy dtype, op, algorithm), for the
             agreed profile (:mod:`gradcomm.collectives.small`; cleared when it changes).
         steps: call counters by name (:meth:`next_step`), for calls without a residual
@@ -45,7 +47,7 @@ class TransportState:
     """
 
     __slots__ = ("signatures", "profile", "profile_agreed", "local_profile",
-                 "local_profile_set", "choices", "small", "steps", "arena", "plans", "scratch",
+                 "local_profile_set", "choices", "small", "native_below", "steps", "arena", "plans", "scratch",
                  "lock")
 
     def __init__(self) -> None:
@@ -56,6 +58,7 @@ class TransportState:
         self.local_profile_set = False
         self.choices: dict[tuple[Any, ...], str] = {}
         self.small: dict[tuple[Any, ...], Any] = {}
+        self.native_below = 64 << 10
         self.steps: dict[str, int] = {}
         self.arena: Any = None
         self.plans: dict[tuple[Any, ...], Any] = {}

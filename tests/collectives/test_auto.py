@@ -381,6 +381,31 @@ def test_auto_hands_small_checked_calls_to_a_fast_native_allreduce() -> None:
         assert sent[3] == 0                   # unchecked but bounded: native
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("below", [[1 << 20] * 3, [1 << 20, 1 << 20, 64 << 10]])
+def test_the_native_size_limit_is_agreed_with_the_profile(below: list[int]) -> None:
+    """``native_below`` (MPI over shared memory: 1 MiB) moves the table's native limit
+    for checked calls; the ranks agree on it with the profile, and where theirs differ
+    every rank keeps the default (no rank in MPI_Allreduce while another runs a ring)."""
+    n = (256 << 10) // 4
+
+    def fn(t: Any) -> list[Any]:
+        _native_check(t).native_below = below[t.rank]
+        t.stats.reset()
+        y = gradcomm.allreduce(make_input(t.rank, n, "float32", "sum"), t)
+        assert y.tobytes() == expected(3, n, "float32", "sum").tobytes()
+        return [t.state.native_below, t.stats.bytes_sent,
+                auto.table(t, 1 << 20, native=True), auto.table(t, (1 << 20) - 1, native=True)]
+
+    res = run_ranks(3, fn)
+    agreed = below[0] if len(set(below)) == 1 else auto.SMALL
+    for limit, sent, at, under in res:
+        assert limit == agreed
+        assert (sent == 0) == (agreed > n * 4)     # 256 KiB: native (nothing point to
+        assert at == "ring"                         # point) only under the larger limit
+        assert under == ("native" if agreed == 1 << 20 else "ring")
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("p", [2, 3])
 def test_the_model_follows_the_transports_pipeline(p: int, monkeypatch) -> None:

@@ -173,6 +173,7 @@ def _window_and_sum() -> list[int]:
     import numpy as np
     from mpi4py import MPI
 
+    import gradcomm
     from gradcomm.collectives import ring
     from gradcomm.comm.mpi import MPITransport
     from gradcomm.ops import Reducer
@@ -184,23 +185,30 @@ def _window_and_sum() -> list[int]:
                for r in range(t.size))
     ring.allreduce(t, buf, Reducer("sum", "float32"), chunk_bytes=64 << 10)
     ok = int(np.array_equal(buf, want))
+    x = buf[:(256 << 10) // 4].copy()           # auto, checked: native only on one node
+    t.stats.reset()
+    ok &= int(np.array_equal(gradcomm.allreduce(x, t), x * t.size))
     t.close()
-    return [t.window_bytes, ok]
+    return [t.window_bytes, ok, t.state.native_below, int(t.stats.bytes_sent > 0)]
 
 
 @pytest.mark.timeout(120)
 def test_the_receive_window_follows_the_path_between_the_ranks() -> None:
-    """Ranks on one node over shared memory keep double buffering; the same job with the
-    shared-memory path left out (``--mca btl tcp,self``, as bench/netns.py runs) keeps the
-    network's deep window; the sums are exact under both."""
+    """Ranks on one node over shared memory keep double buffering and hand checked calls
+    below 1 MiB to MPI_Allreduce; the same job with the shared-memory path left out
+    (``--mca btl tcp,self``, as bench/netns.py runs) keeps the network's deep window and
+    the 64 KiB limit; the sums are exact under both."""
     require_mpi()
-    from gradcomm.comm.base import NETWORK_WINDOW
+    from gradcomm.comm.base import NETWORK_WINDOW, ONE_NODE_NATIVE
     from gradcomm.comm.mpi import one_node
     from tests._launch import mpi_call
 
-    assert mpi_call(_window_and_sum, 3, timeout=50) == [[0, 1]] * 3
-    tcp = {"OMPI_MCA_pml": "ob1", "OMPI_MCA_btl": "tcp,self"}
-    assert mpi_call(_window_and_sum, 3, timeout=50, env=tcp) == [[NETWORK_WINDOW, 1]] * 3
+    none = {"GRADCOMM_PROFILE": "none"}                # auto's built-in table
+    assert mpi_call(_window_and_sum, 3, timeout=50, env=none) == \
+        [[0, 1, ONE_NODE_NATIVE, 0]] * 3               # 256 KiB through MPI_Allreduce
+    tcp = {"OMPI_MCA_pml": "ob1", "OMPI_MCA_btl": "tcp,self", **none}
+    assert mpi_call(_window_and_sum, 3, timeout=50, env=tcp) == \
+        [[NETWORK_WINDOW, 1, 64 << 10, 1]] * 3         # ... and through gradcomm's ring
     same = {"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}
     assert one_node(same) and one_node({**same, "OMPI_MCA_btl": "self,sm"})
     assert one_node({**same, "OMPI_MCA_btl": "^tcp"})

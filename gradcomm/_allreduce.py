@@ -64,7 +64,7 @@ def _reduce(x: Any, comm: Any, problem: Exception | None, *, op: str = "sum",
     small_ = check is True and compressor is None and problem is None and not options \
         and small.eligible(x)
     if small_ and (call := small.lookup(t, x, op, algorithm)) is not None:
-        return call.run(x if in_place else x.copy())     # resolved by an earlier call
+        return call.run(t, x if in_place else x.copy())  # resolved by an earlier call
     plan = _plan_of(op, algorithm, compressor, check) if not options else None
     if plan is None:
         plan = Reduction(op, algorithm, compressor, options, None, check)

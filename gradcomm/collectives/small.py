@@ -21,7 +21,7 @@ Example:
     >>> def fn(t):
     ...     install(t, 3, np.dtype("float64"), "sum", "native")
     ...     call = lookup(t, np.zeros(3), "sum", "native")
-    ...     return call is not None and call.run(np.full(3, t.rank + 1.0)).tolist()
+    ...     return call is not None and call.run(t, np.full(3, t.rank + 1.0)).tolist()
     >>> run_ranks(2, fn)       # the in-process transport has no cheap native call
     [False, False]
 """
@@ -46,24 +46,26 @@ LIMIT = 256
 
 
 class SmallCall:
-    """A resolved checked native allreduce of ``count`` elements of ``dtype``."""
+    """A resolved checked native allreduce of ``count`` elements of ``dtype`` (kept in
+    its transport's state, so it holds no reference to the transport)."""
 
-    __slots__ = ("t", "sig", "red", "dtype", "mean")
+    __slots__ = ("sig", "red", "dtype", "mean")
 
-    def __init__(self, t: Transport, sig: _Signature, red: Reducer, dtype: str) -> None:
-        self.t, self.sig, self.red, self.dtype = t, sig, red, dtype
+    def __init__(self, sig: _Signature, red: Reducer, dtype: str) -> None:
+        self.sig, self.red, self.dtype = sig, red, dtype
         self.mean = red.op == "mean"
 
-    def run(self, buf: np.ndarray, src: np.ndarray | None = None) -> np.ndarray:
-        """Reduce C-contiguous host ``buf`` in place across the ranks (``src``, of its
-        dtype and shape: reduce that instead, copied into ``buf`` once the ranks agreed);
-        returns ``buf``."""
-        verify(self.t, self.sig)
+    def run(self, t: Transport, buf: np.ndarray, src: np.ndarray | None = None
+            ) -> np.ndarray:
+        """Reduce C-contiguous host ``buf`` in place across the ranks of ``t`` (the
+        transport it was resolved on; ``src``, of ``buf``'s dtype and shape: reduce that
+        instead, copied into ``buf`` once the ranks agreed); returns ``buf``."""
+        verify(t, self.sig)
         if src is not None:
             np.copyto(buf, src)
-        self.t.native_allreduce(buf, self.red.base_op, self.dtype)
+        t.native_allreduce(buf, self.red.base_op, self.dtype)
         if self.mean:
-            self.red.finalize(buf, self.t.size)
+            self.red.finalize(buf, t.size)
         return buf
 
 
@@ -97,8 +99,8 @@ def install(t: Transport, count: int, dtype: np.dtype, op: str, algorithm: str) 
         return
     if len(cache) >= LIMIT:
         cache.clear()
-    cache[key] = SmallCall(t, signature(t, "allreduce", count=count, dtype=name, op=op,
-                                        algorithm=algorithm, valid=True), red, name)
+    cache[key] = SmallCall(signature(t, "allreduce", count=count, dtype=name, op=op,
+                                     algorithm=algorithm, valid=True), red, name)
 
 
 def _eligible(t: Transport, count: int, dtype: np.dtype, algorithm: str) -> bool:

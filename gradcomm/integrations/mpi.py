@@ -134,11 +134,11 @@ class GradcommComm:
                                   sendbuf.dtype != recvbuf.dtype or
                                   sendbuf.shape != recvbuf.shape):
             return ""
-        call = small.lookup(self.gradcomm_transport, recvbuf, name,
-                            self.gradcomm_plan.algorithm)
+        t = self.gradcomm_transport
+        call = small.lookup(t, recvbuf, name, self.gradcomm_plan.algorithm)
         if call is None:
             return name
-        call.run(recvbuf, None if in_place else sendbuf)
+        call.run(t, recvbuf, None if in_place else sendbuf)
         return None
 
     def _gradcomm_allreduce(self, sendbuf: Any, recvbuf: Any, op: Any = None,

@@ -24,7 +24,9 @@ CASES = (("float32", "sum"), ("float64", "mean"), ("int32", "max"), ("int64", "m
 
 
 def small_calls() -> dict[str, Any]:
+    import gc
     import time
+    import weakref
 
     import numpy as np
     from mpi4py import MPI
@@ -128,6 +130,11 @@ def small_calls() -> dict[str, Any]:
     late.timeout = 20
     out["after_late"] = gradcomm.allreduce(np.ones(3), late).tolist() == [float(p)] * 3
     late.close()
+    gc.disable()                # what the transport keeps holds no reference back to it
+    ref = weakref.ref(late)
+    del late
+    out["freed"] = ref() is None
+    gc.enable()
     plan_module.dense_allreduce = inner
     return out
 
@@ -145,7 +152,7 @@ def test_small_calls_take_the_short_cut_and_stay_checked() -> None:
             assert r[case].startswith("MismatchError"), (case, r[case])
         assert "count ranges from 7 to 8" in r["count"]
         assert r["wrap_untouched"]
-        assert r["mixed"] and r["after_late"]
+        assert r["mixed"] and r["after_late"] and r["freed"]
     assert [r["mismatch_general"] for r in res] == [0, 3, 0]   # rank 1: new op, dtype, count
     assert [r["mixed_general"] for r in res] == [0, 1, 0]
     assert res[0]["late"].startswith("DeadlineError") and 0.4 < res[0]["late_seconds"] < 5

@@ -1,5 +1,6 @@
 """Interleaved timing of small and mid-size dense calls: ``MPI_Allreduce(x, out)``,
-``gradcomm.allreduce(x, comm)`` and ``wrap(comm).Allreduce(x, out)`` (defaults: ``auto``,
+``gradcomm.allreduce(x, comm)`` (of ``x`` and, where torch is installed, of a CPU tensor
+on ``x``'s memory: "tensor") and ``wrap(comm).Allreduce(x, out)`` (defaults: ``auto``,
 checked), optionally beside another version of gradcomm. Run under mpirun::
 
     mpirun -n 2 python bench/small_ab.py --sizes 4KiB,64KiB,256KiB
@@ -48,6 +49,10 @@ def main() -> None:
         import gradcomm_baseline
 
         mods = {" new": gradcomm, " base": gradcomm_baseline}
+    try:
+        import torch
+    except ImportError:
+        torch = None
     world = MPI.COMM_WORLD
     rng = np.random.default_rng(world.rank)
     if world.rank == 0:
@@ -56,11 +61,14 @@ def main() -> None:
     for size in (parse_size(s) for s in args.sizes.split(",")):
         x = rng.standard_normal(size // 4).astype(np.float32)
         out = np.empty_like(x)
+        tensor = torch.from_numpy(x) if torch is not None else None
         calls: dict[str, Callable[[], Any]] = {"MPI_Allreduce": lambda: world.Allreduce(x, out)}
         for tag, mod in mods.items():
             comm = importlib.import_module(f"{mod.__name__}.integrations.mpi").wrap(world.Dup())
             plain = world.Dup()
             calls[f"allreduce{tag}"] = lambda m=mod, c=plain: m.allreduce(x, c)
+            if tensor is not None:
+                calls[f"tensor{tag}"] = lambda m=mod, c=plain: m.allreduce(tensor, c)
             calls[f"wrap{tag}"] = lambda c=comm: c.Allreduce(x, out)
         n = max(5, args.calls * 8192 // max(size, 8192))
         times: dict[str, list[float]] = {k: [] for k in calls}

@@ -93,6 +93,18 @@ def kind(x: Any) -> str:
     return backend(x).kind
 
 
+def small_view(x: Any, limit: int) -> np.ndarray | None:
+    """:meth:`Backend.small_view <gradcomm.arrays.base.Backend.small_view>` of ``x`` (None
+    for anything that is not an array of a known library: never raises)."""
+    b = _TYPES.get(type(x)) or _find(x)
+    return None if b is None else b.small_view(x, limit)
+
+
+def from_small(a: np.ndarray, x: Any) -> Any:
+    """Numpy ``a`` as an array of ``x``'s library (:meth:`Backend.from_small`)."""
+    return _TYPES[type(x)].from_small(a)
+
+
 def meta_of(x: Any) -> Meta:
     """Describe ``x`` without copying it."""
     return backend(x).meta(x)

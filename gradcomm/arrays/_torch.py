@@ -148,6 +148,19 @@ class TorchBackend(Backend):
             return t.view(torch.int16).numpy().view(np.uint16).reshape(-1)
         return t.numpy().reshape(-1)
 
+    def small_view(self, x: Any, limit: int) -> np.ndarray | None:
+        import torch
+
+        if x.device.type != "cpu" or x.layout != torch.strided or x.dtype == torch.bfloat16 \
+                or x.numel() * x.element_size() > limit or not x.is_contiguous():
+            return None
+        return x.detach().numpy()
+
+    def from_small(self, a: np.ndarray) -> Any:
+        import torch
+
+        return torch.from_numpy(a)
+
     def host(self, a: Any) -> np.ndarray:
         t = a.detach()
         if self._name(t) in ("uint16", "bfloat16"):

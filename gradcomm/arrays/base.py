@@ -122,6 +122,17 @@ class Backend(ABC):
     def host_view(self, x: Any) -> np.ndarray:
         """A flat numpy view of contiguous host ``x`` (no copy), bfloat16 as uint16."""
 
+    def small_view(self, x: Any, limit: int) -> np.ndarray | None:
+        """``x``'s own memory as a C-contiguous numpy array of its dtype and shape (no
+        copy), if it is host memory of at most ``limit`` bytes that numpy can type; else
+        None (what :mod:`gradcomm.collectives.small` reduces). None here."""
+        return None
+
+    def from_small(self, a: np.ndarray) -> Any:
+        """Numpy array ``a`` (a reduced :meth:`small_view`'s copy) as this library's array,
+        without a copy."""
+        return a
+
     @abstractmethod
     def host(self, a: Any) -> np.ndarray:
         """A host numpy array with ``a``'s elements (``a`` itself for numpy, a view of

@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import arrays
 from ..comm.base import PIPELINE_CHUNK, Transport
 from ..errors import GradcommError
 from ..ops import Reducer, reducer
@@ -111,5 +112,12 @@ def _eligible(t: Transport, count: int, dtype: np.dtype, algorithm: str) -> bool
 
 def eligible(x: Any) -> bool:
     """Whether array ``x`` may take the small-call path at all (a C-contiguous numpy
-    array of fewer than :data:`SMALL_BYTES`)."""
+    array of at most :data:`SMALL_BYTES`)."""
     return type(x) is np.ndarray and x.nbytes <= SMALL_BYTES and x.flags.c_contiguous
+
+
+def view(x: Any) -> np.ndarray | None:
+    """``x``'s memory as a numpy array the small-call path may take (numpy or a CPU
+    tensor, contiguous, at most :data:`SMALL_BYTES`: :func:`gradcomm.arrays.small_view`),
+    else None."""
+    return arrays.small_view(x, SMALL_BYTES)

@@ -1,8 +1,8 @@
 """The small-call path (``gradcomm.collectives.small``) under a real mpirun, 3 ranks.
 
 A checked dense allreduce below one pipeline chunk that goes to ``MPI_Allreduce`` is
-resolved once per (count, dtype, op, algorithm); later calls skip the general path. Each
-case checks that the short cut was taken (the general path's ``dense_allreduce`` not
+resolved once per (count, dtype, op, algorithm); later calls skip the general path (numpy
+arrays, CPU tensors, ``wrap(comm).Allreduce``). Each case checks that the short cut was taken (the general path's ``dense_allreduce`` not
 called), the exact result (per-rank integers, no period) at counts 1, 2 (< p), 5 (not
 divisible by p) and 1000, and that it is still a checked call: a rank passing another
 count, op or dtype is a MismatchError on every rank (whether or not the others took the
@@ -73,6 +73,34 @@ def small_calls() -> dict[str, Any]:
                     out["wrong"].append((dtype, op, n, i))
             out["general"].append(general[0] - before)
             assert x.tobytes() == exact_input(rank, n, dtype, op).tobytes()
+
+    # CPU tensors: the same short cut through a numpy view of their memory
+    import torch
+
+    out["torch_general"] = []
+    for dtype, op, n in (("float32", "sum", 6), ("int64", "max", 77), ("float64", "mean", 3)):
+        base = exact_input(rank, n, dtype, op)
+        want = exact_result(p, n, dtype, op)
+        before = general[0]
+        for i in range(3):
+            x = torch.from_numpy(base.copy()).reshape(1, n)
+            x.requires_grad_(dtype != "int64")
+            y = gradcomm.allreduce(x, t, op=op)
+            z = x.detach().clone()
+            zz = gradcomm.allreduce_(z, t, op=op)
+            if not (type(y) is torch.Tensor and y.shape == (1, n) and zz is z and
+                    y.numpy().tobytes() == want.tobytes() == z.numpy().tobytes() and
+                    x.detach().numpy().tobytes() == base.tobytes()):
+                out["wrong"].append(("torch", dtype, op, n, i))
+        out["torch_general"].append(general[0] - before)
+    strided = torch.from_numpy(exact_input(rank, 12, "float32", "sum")).reshape(3, 4).t()
+    before = general[0]
+    for i in range(2):                      # not contiguous: the general path every time
+        if gradcomm.allreduce(strided, t).numpy().tobytes() != \
+                torch.from_numpy(exact_result(p, 12, "float32", "sum")).reshape(3, 4).t() \
+                .contiguous().numpy().tobytes():
+            out["wrong"].append(("strided", i))
+    out["strided_general"] = general[0] - before
 
     x = exact_input(rank, 5, "float32", "sum")
     y = np.empty_like(x)
@@ -148,6 +176,7 @@ def test_small_calls_take_the_short_cut_and_stay_checked() -> None:
         # allreduce and allreduce_ resolve the same entry: the general path once per case
         assert r["general"] == [1] * (len(CASES) * len(COUNTS))
         assert r["wrap_general"] == 1
+        assert r["torch_general"] == [1, 1, 1] and r["strided_general"] == 2
         for case in ("count", "op", "dtype", "new_count", "wrap_count"):
             assert r[case].startswith("MismatchError"), (case, r[case])
         assert "count ranges from 7 to 8" in r["count"]

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from tests._late import late_rank, outcome
 from tests._launch import mpi_call, require_mpi
 
 COUNTS = (1, 2, 5, 1000)
@@ -24,9 +25,6 @@ CASES = (("float32", "sum"), ("float64", "mean"), ("int32", "max"), ("int64", "m
 
 
 def small_calls() -> dict[str, Any]:
-    import gc
-    import time
-    import weakref
 
     import numpy as np
     from mpi4py import MPI
@@ -34,10 +32,7 @@ def small_calls() -> dict[str, Any]:
     import gradcomm
     import gradcomm._plan as plan_module
     from gradcomm.bench.data import exact_input, exact_result
-    from gradcomm.collectives._check import agree
     from gradcomm.comm import get_transport
-    from gradcomm.comm.mpi import MPITransport
-    from gradcomm.errors import DeadlineError, MismatchError
     from gradcomm.integrations.mpi import wrap
 
     t = get_transport(MPI.COMM_WORLD, timeout=20)
@@ -51,13 +46,6 @@ def small_calls() -> dict[str, Any]:
 
     plan_module.dense_allreduce = counted
     out: dict[str, Any] = {"wrong": [], "general": []}
-
-    def outcome(fn: Any) -> str:
-        try:
-            fn()
-        except (MismatchError, DeadlineError) as exc:
-            return f"{type(exc).__name__}: {exc}"
-        return "ok"
 
     for dtype, op in CASES:
         for n in COUNTS:
@@ -141,28 +129,9 @@ def small_calls() -> dict[str, Any]:
     out["mixed"] = gradcomm.allreduce(ones[7], t).tolist() == [float(p)] * 7
     out["mixed_general"] = general[0] - before
 
-    # a rank that never joins: the short cut's check expires (DeadlineError)
-    late = MPITransport(MPI.COMM_WORLD, timeout=20)
-    gradcomm.allreduce(np.ones(3), late)
-    late.timeout = 0.5
-    if rank == 0:
-        start = time.monotonic()
-        out["late"] = outcome(lambda: gradcomm.allreduce(np.ones(3), late))
-        out["late_seconds"] = time.monotonic() - start
-    MPI.COMM_WORLD.Barrier()
-    if rank != 0:
-        late.timeout = 20
-        agree(late, "allreduce", count=3, dtype="float64", op="sum", algorithm="auto",
-              valid=True)
-    MPI.COMM_WORLD.Barrier()
-    late.timeout = 20
-    out["after_late"] = gradcomm.allreduce(np.ones(3), late).tolist() == [float(p)] * 3
-    late.close()
-    gc.disable()                # what the transport keeps holds no reference back to it
-    ref = weakref.ref(late)
-    del late
-    out["freed"] = ref() is None
-    gc.enable()
+    # a rank that never joins: the short cut's check expires (DeadlineError); what a
+    # transport keeps (its resolved calls) holds no reference back to it
+    out.update(late_rank(warm=True))
     plan_module.dense_allreduce = inner
     return out
 

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import pytest
 
+from tests._late import late_rank
 from tests._launch import mpi_call, require_mpi
 
 
 def fastpaths() -> dict:
-    import time
-
     import numpy as np
     from mpi4py import MPI
 
@@ -26,7 +25,6 @@ def fastpaths() -> dict:
     from gradcomm.bench.data import exact_input, exact_result, exact_values
     from gradcomm.collectives._check import agree
     from gradcomm.comm import get_transport
-    from gradcomm.comm.mpi import MPITransport
     from gradcomm.errors import DeadlineError, MismatchError, TransportError
 
     t = get_transport(MPI.COMM_WORLD, timeout=20)
@@ -71,21 +69,7 @@ def fastpaths() -> dict:
 
     # a late rank: the check's MPI_Iallreduce expires on the others, who then refuse new
     # collectives until the late rank joins the abandoned one
-    late = MPITransport(MPI.COMM_WORLD, timeout=0.5)
-    if rank == 0:
-        start = time.monotonic()
-        out["late"] = outcome(lambda: gradcomm.allreduce(np.ones(3), late))
-        out["late_seconds"] = time.monotonic() - start
-        out["while_pending"] = outcome(late.barrier)
-    MPI.COMM_WORLD.Barrier()
-    if rank != 0:
-        late.timeout = 20
-        agree(late, "allreduce", count=3, dtype="float64", op="sum", algorithm="auto",
-              valid=True)
-    MPI.COMM_WORLD.Barrier()
-    late.timeout = 20
-    out["after_late"] = gradcomm.allreduce(np.ones(3), late).tolist() == [float(p)] * 3
-    late.close()
+    out.update(late_rank())
     return out
 
 

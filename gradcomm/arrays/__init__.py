@@ -102,7 +102,7 @@ def small_view(x: Any, limit: int) -> np.ndarray | None:
 
 def from_small(a: np.ndarray, x: Any) -> Any:
     """Numpy ``a`` as an array of ``x``'s library (:meth:`Backend.from_small`)."""
-    return _TYPES[type(x)].from_small(a)
+    return backend(x).from_small(a)
 
 
 def meta_of(x: Any) -> Meta:

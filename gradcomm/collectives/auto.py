@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from ..comm.base import TAG_PROFILE, Transport
+from ..comm.state import NATIVE_BELOW
 from ..errors import ConfigError, PayloadError
 from .costmodel import _MAX_BYTES, PROFILE_ENV, Profile, default_path
 
@@ -188,7 +189,7 @@ def agree_profile(t: Transport) -> Profile | None:
     prof = _broadcast_root(t, local) if "profile" in differ else local
     st = t.state
     st.profile, st.profile_agreed = prof, True
-    st.native_below = SMALL if "native_below" in differ else t.native_below
+    st.native_below = NATIVE_BELOW if "native_below" in differ else t.native_below
     st.choices.clear()
     st.small.clear()
     return prof

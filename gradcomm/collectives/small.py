@@ -8,8 +8,10 @@ resolves all of it once per (count, dtype, op, algorithm) on a transport, after 
 with those arguments completed the general way; :func:`lookup` finds it on the next call,
 and :meth:`SmallCall.run` does exactly what the general path does, no more: the argument
 check (one small exchange with the deadline: a mismatch is a MismatchError on every
-rank, a rank that never joins a DeadlineError), then the library's allreduce in place,
-then the division of ``mean``.
+rank, a rank that never joins a DeadlineError), then the library's allreduce, then the
+division of ``mean``. numpy arrays and CPU tensors (through a numpy view of their memory,
+:func:`view`) take it from :func:`gradcomm.allreduce` and ``allreduce_``, numpy buffers
+from ``wrap(comm).Allreduce``.
 
 Both paths send the same messages, so ranks may take either. What is kept depends only
 on the arguments and on state the ranks agree on (the profile: agreeing on a new one
@@ -71,8 +73,8 @@ class SmallCall:
 
 
 def lookup(t: Transport, x: np.ndarray, op: str, algorithm: str) -> SmallCall | None:
-    """The resolved call for numpy ``x`` (C-contiguous, fewer than :data:`SMALL_BYTES`:
-    the caller checks) reduced by ``op`` with ``algorithm`` and ``check=True``, if an
+    """The resolved call for numpy ``x`` (C-contiguous, at most :data:`SMALL_BYTES`:
+    the caller checks, e.g. with :func:`view`) reduced by ``op`` with ``algorithm`` and ``check=True``, if an
     earlier call installed it."""
     return t.state.small.get((x.size, x.dtype, op, algorithm))
 

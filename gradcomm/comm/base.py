@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
 from ..errors import ConfigError, DeadlineError, TransportError
-from .state import TransportState
+from .state import NATIVE_BELOW, TransportState
 
 #: default deadline of one blocking wait, seconds
 DEFAULT_TIMEOUT = 120.0
@@ -100,8 +100,8 @@ class Transport(ABC):
     #: below this many bytes ``auto``'s built-in table (no profile) prefers the
     #: library's allreduce where :attr:`fast_native` allows it (MPI over shared memory:
     #: larger, bench/RESULTS.md). The ranks agree on it with the profile (any
-    #: difference: :data:`~gradcomm.collectives.auto.SMALL` everywhere). Per instance.
-    native_below: int = 64 << 10
+    #: difference: :data:`~gradcomm.comm.state.NATIVE_BELOW` everywhere). Per instance.
+    native_below: int = NATIVE_BELOW
     #: True where :meth:`native_allreduce` waits with the deadline (so ``auto`` may pick it
     #: for calls without the argument check); MPI's blocking MPI_Allreduce does not
     native_bounded: bool = False

@@ -17,6 +17,9 @@ import threading
 from typing import Any
 
 
+#: :attr:`~gradcomm.comm.Transport.native_below` unless a transport says otherwise
+NATIVE_BELOW = 64 << 10
+
 class TransportState:
     """Per-transport memory of the collectives (one per transport, made by its
     ``__init__``). Holds no reference to the transport itself.
@@ -47,8 +50,8 @@ class TransportState:
     """
 
     __slots__ = ("signatures", "profile", "profile_agreed", "local_profile",
-                 "local_profile_set", "choices", "small", "native_below", "steps", "arena", "plans", "scratch",
-                 "lock")
+                 "local_profile_set", "choices", "small", "native_below", "steps", "arena",
+                 "plans", "scratch", "lock")
 
     def __init__(self) -> None:
         self.signatures: dict[Any, Any] = {}
@@ -58,7 +61,7 @@ class TransportState:
         self.local_profile_set = False
         self.choices: dict[tuple[Any, ...], str] = {}
         self.small: dict[tuple[Any, ...], Any] = {}
-        self.native_below = 64 << 10
+        self.native_below = NATIVE_BELOW
         self.steps: dict[str, int] = {}
         self.arena: Any = None
         self.plans: dict[tuple[Any, ...], Any] = {}

@@ -23,6 +23,7 @@ from gradcomm.collectives._check import NATIVE_FIELDS, agree
 from gradcomm.ops import Reducer
 from gradcomm.collectives.costmodel import CHUNK_BYTES, Profile
 from gradcomm.comm import run_ranks
+from gradcomm.comm.state import NATIVE_BELOW
 from gradcomm.errors import ConfigError, DeadlineError, MismatchError, TransportError
 from tests._cases import expected, make_input
 
@@ -398,7 +399,7 @@ def test_the_native_size_limit_is_agreed_with_the_profile(below: list[int]) -> N
                 auto.table(t, 1 << 20, native=True), auto.table(t, (1 << 20) - 1, native=True)]
 
     res = run_ranks(3, fn)
-    agreed = below[0] if len(set(below)) == 1 else auto.SMALL
+    agreed = below[0] if len(set(below)) == 1 else NATIVE_BELOW
     for limit, sent, at, under in res:
         assert limit == agreed
         assert (sent == 0) == (agreed > n * 4)     # 256 KiB: native (nothing point to

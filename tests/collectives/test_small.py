@@ -89,6 +89,15 @@ def small_calls() -> dict[str, Any]:
                 .contiguous().numpy().tobytes():
             out["wrong"].append(("strided", i))
     out["strided_general"] = general[0] - before
+    import gradcomm.arrays as arrays_module     # a full type cache: backends found each time
+
+    limit, arrays_module._TYPES_LIMIT = arrays_module._TYPES_LIMIT, 0
+    arrays_module._TYPES.clear()
+    x = torch.from_numpy(exact_input(rank, 6, "float32", "sum")).reshape(1, 6)
+    y = gradcomm.allreduce(x, t)                # resolved above: the short cut
+    out["uncached"] = type(y) is torch.Tensor and \
+        y.numpy().tobytes() == exact_result(p, 6, "float32", "sum").tobytes()
+    arrays_module._TYPES_LIMIT = limit
 
     x = exact_input(rank, 5, "float32", "sum")
     y = np.empty_like(x)
@@ -146,6 +155,7 @@ def test_small_calls_take_the_short_cut_and_stay_checked() -> None:
         assert r["general"] == [1] * (len(CASES) * len(COUNTS))
         assert r["wrap_general"] == 1
         assert r["torch_general"] == [1, 1, 1] and r["strided_general"] == 2
+        assert r["uncached"]
         for case in ("count", "op", "dtype", "new_count", "wrap_count"):
             assert r[case].startswith("MismatchError"), (case, r[case])
         assert "count ranges from 7 to 8" in r["count"]

@@ -61,7 +61,7 @@ def _reduce(x: Any, comm: Any, problem: Exception | None, *, op: str = "sum",
     (:func:`allreduce_`): reduce in ``x``'s own memory where :meth:`Reduction.views`
     allows it, and return ``x`` then (else the result, as without it)."""
     t = get_transport(comm)
-    v = small.view(x) if check is True and compressor is None and problem is None \
+    v = small.view(t, x) if check is True and compressor is None and problem is None \
         and not options else None                # numpy or a CPU tensor, small
     if v is not None and (call := small.lookup(t, v, op, algorithm)) is not None:
         if in_place:                            # resolved by an earlier call

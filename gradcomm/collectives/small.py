@@ -74,14 +74,14 @@ class SmallCall:
 
 def lookup(t: Transport, x: np.ndarray, op: str, algorithm: str) -> SmallCall | None:
     """The resolved call for numpy ``x`` (C-contiguous, at most :data:`SMALL_BYTES`:
-    the caller checks, e.g. with :func:`view`) reduced by ``op`` with ``algorithm`` and ``check=True``, if an
-    earlier call installed it."""
+    the caller checks with :func:`view`) reduced by ``op`` with ``algorithm`` and
+    ``check=True``, if an earlier call installed it."""
     return t.state.small.get((x.size, x.dtype, op, algorithm))
 
 
 def install(t: Transport, count: int, dtype: np.dtype, op: str, algorithm: str) -> None:
-    """Keep the resolved call of ``count`` elements of numpy ``dtype`` (in native byte
-    order) by ``op`` with ``algorithm`` and ``check=True``, where the general path takes
+    """Keep the resolved call of ``count`` elements of numpy ``dtype`` (of an array that
+    :func:`view` took; in native byte order) by ``op`` with ``algorithm`` and ``check=True``, where the general path takes
     the library's allreduce for it: after such a call completed (the profile is then
     agreed, as the general path's first checked call makes it)."""
     key = (count, dtype, op, algorithm)
@@ -107,19 +107,15 @@ def install(t: Transport, count: int, dtype: np.dtype, op: str, algorithm: str) 
 
 
 def _eligible(t: Transport, count: int, dtype: np.dtype, algorithm: str) -> bool:
-    return (t.fast_native and t.size > 1 and t.state.profile_agreed and count > 0
-            and algorithm in ("auto", "native") and dtype.isnative
-            and count * dtype.itemsize <= SMALL_BYTES)
+    return (t.state.profile_agreed and count > 0 and algorithm in ("auto", "native")
+            and dtype.isnative and count * dtype.itemsize <= SMALL_BYTES)
 
 
-def eligible(x: Any) -> bool:
-    """Whether array ``x`` may take the small-call path at all (a C-contiguous numpy
-    array of at most :data:`SMALL_BYTES`)."""
-    return type(x) is np.ndarray and x.nbytes <= SMALL_BYTES and x.flags.c_contiguous
-
-
-def view(x: Any) -> np.ndarray | None:
-    """``x``'s memory as a numpy array the small-call path may take (numpy or a CPU
+def view(t: Transport, x: Any) -> np.ndarray | None:
+    """``x``'s memory as a numpy array the small-call path may take on ``t`` (a
+    transport with a cheap native allreduce and more than one rank; numpy or a CPU
     tensor, contiguous, at most :data:`SMALL_BYTES`: :func:`gradcomm.arrays.small_view`),
     else None."""
+    if not t.fast_native or t.size == 1:
+        return None
     return arrays.small_view(x, SMALL_BYTES)

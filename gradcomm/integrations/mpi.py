@@ -108,38 +108,36 @@ class GradcommComm:
 
     def Allreduce(self, sendbuf: Any, recvbuf: Any, op: Any = None) -> None:
         """mpi4py's ``Allreduce``, through gradcomm where it can (see the module doc)."""
-        if self._gradcomm_ops and small.eligible(recvbuf):
-            name = self._gradcomm_small(sendbuf, recvbuf, op)
-            if name is None:
-                return None
-            self._gradcomm_allreduce(sendbuf, recvbuf, op)
-            if name:                    # completed: the next such call takes the short cut
-                small.install(self.gradcomm_transport, recvbuf.size, recvbuf.dtype, name,
-                              self.gradcomm_plan.algorithm)
+        name = self._gradcomm_small_op(sendbuf, recvbuf, op) if self._gradcomm_ops else ""
+        if not name:
+            return self._gradcomm_allreduce(sendbuf, recvbuf, op)
+        t, algorithm = self.gradcomm_transport, self.gradcomm_plan.algorithm
+        call = small.lookup(t, recvbuf, name, algorithm)
+        if call is not None:                    # resolved by an earlier call
+            call.run(t, recvbuf, None if sendbuf is self._gradcomm_ops[0][0] else sendbuf)
             return None
-        return self._gradcomm_allreduce(sendbuf, recvbuf, op)
+        self._gradcomm_allreduce(sendbuf, recvbuf, op)
+        small.install(t, recvbuf.size, recvbuf.dtype, name, algorithm)  # completed
+        return None
 
-    def _gradcomm_small(self, sendbuf: Any, recvbuf: np.ndarray, op: Any) -> str | None:
-        """The small-call path (:mod:`gradcomm.collectives.small`) of a plain numpy
-        ``recvbuf`` (of the same dtype and shape as a numpy ``sendbuf``, or in place) whose
-        reduction an earlier call resolved: reduces and returns None. Otherwise the op's
-        name, if the call may be resolved once it completed, else ``""``."""
+    def _gradcomm_small_op(self, sendbuf: Any, recvbuf: Any, op: Any) -> str:
+        """The op's name where the call may take the small-call path
+        (:mod:`gradcomm.collectives.small`): a small writable plain numpy ``recvbuf`` of a
+        dtype the wrapper reduces itself, reduced in place or from a numpy ``sendbuf`` of
+        its dtype and shape, by a predefined op; else ``""``."""
+        if type(recvbuf) is not np.ndarray or \
+                small.view(self.gradcomm_transport, recvbuf) is None:
+            return ""
         name = "sum" if op is None else ""
         for o, n in self._gradcomm_ops:
             if op is o:
                 name = n
-        in_place = sendbuf is self._gradcomm_ops[0][0]
-        if not name or not recvbuf.flags.writeable or recvbuf.dtype not in _PLAIN or \
-                not in_place and (type(sendbuf) is not np.ndarray or
-                                  sendbuf.dtype != recvbuf.dtype or
-                                  sendbuf.shape != recvbuf.shape):
+        if not name or not recvbuf.flags.writeable or recvbuf.dtype not in _PLAIN:
             return ""
-        t = self.gradcomm_transport
-        call = small.lookup(t, recvbuf, name, self.gradcomm_plan.algorithm)
-        if call is None:
+        if sendbuf is self._gradcomm_ops[0][0]:
             return name
-        call.run(t, recvbuf, None if in_place else sendbuf)
-        return None
+        return name if type(sendbuf) is np.ndarray and sendbuf.dtype == recvbuf.dtype and \
+            sendbuf.shape == recvbuf.shape else ""
 
     def _gradcomm_allreduce(self, sendbuf: Any, recvbuf: Any, op: Any = None,
                             route: str | None = None) -> None:

@@ -1,13 +1,13 @@
 """The DDP comm hook and its state: config, parameter names, buckets in, futures out.
 
-:func:`~.make.make_comm_hook` validates the configuration and returns
-``(state, comm_hook)``.
+:func:`~.make.make_comm_hook` validates the configuration and returns ``(state, comm_hook)``.
 :func:`comm_hook` runs on the autograd thread: it names the bucket's parameters, starts
 an NCCL group's own allreduce where that is the route, and queues the bucket on the
-state's :class:`~.worker.Worker`. On the worker, :class:`CommHookState` reduces the
-bucket (:class:`~.routes.Routes`), or regroups it into the saved layout in the first
-iteration after a load (:class:`~.replay.Replay`), and completes its future; at the
-last bucket of an iteration, the hop residuals of units not reduced are folded.
+state's :class:`~.worker.Worker` (the last bucket, if none is queued, runs right there).
+There, :class:`CommHookState` reduces the bucket (:class:`~.routes.Routes`), or regroups
+it into the saved layout in the first iteration after a load (:class:`~.replay.Replay`),
+and completes its future; at the last bucket of an iteration, the hop residuals of
+units not reduced are folded.
 
 Example:
     >>> from gradcomm.comm import run_ranks
@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 from typing import Any, Callable, Mapping, Sequence
@@ -221,16 +222,13 @@ class CommHookState:
         self.residuals.clear()
 
     # -- the worker --------------------------------------------------------------------------
-    def _submit(self, task: Callable[[], None]) -> None:
-        self._worker.submit(task)
-
     def _call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the worker thread (after every queued bucket) and return its value."""
         return self._worker.call(fn)
 
     def flush(self) -> None:
         """Wait until every queued bucket has been reduced."""
-        self._call(lambda: None)
+        self._worker.wait()
 
     def close(self) -> None:
         """Release what the hook holds, once (idempotent): the worker thread stops after
@@ -271,7 +269,7 @@ class CommHookState:
         raise a failure here, where DDP passes it on to ``backward()`` with its type (an
         exception set on a hook's future reaches the user as DDP's "Unable to cast"
         RuntimeError)."""
-        self._call(lambda: None)
+        self._worker.wait()
         failure = self._failure
         if failure is None:
             return
@@ -491,7 +489,9 @@ def comm_hook(state: CommHookState, bucket):  # type: ignore[no-untyped-def]
     if buf.is_cuda and work is None:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(buf.device))   # buf's device's stream
-    state._submit(lambda: state._bucket(buf, keys, lengths, last, fut, event, work))
+    task = functools.partial(state._bucket, buf, keys, lengths, last, fut, event, work)
+    if not (last and state._worker.run_here(task)):     # nothing queued: nothing to overlap
+        state._worker.submit(task)
     if last:
         state._check_iteration()
     return fut

@@ -296,6 +296,42 @@ def test_a_failed_reduction_is_raised_on_the_hook_thread_with_its_type():
     assert run_ranks(2, fn, timeout=30, wait_timeout=1) == ["raised", "absent"]
 
 
+def test_the_last_bucket_runs_on_the_autograd_thread_when_nothing_is_queued():
+    """The hand-off to the worker is skipped only where nothing is queued: the earlier
+    buckets keep overlapping backward, the order of collectives stays DDP's, and the
+    bytes are the same either way."""
+    import threading
+
+    def fn(t, queue_all=False):
+        model = _psgd_model()
+        state, _ = ddp.make_comm_hook("int8", transport=t, model=model)
+        if queue_all:                                       # every bucket on the worker
+            state._worker.run_here = lambda task: False
+        params = list(model.parameters())
+        ran: list[str] = []
+        bucket = state._bucket
+
+        def spy(*args, **kw):
+            ran.append(threading.current_thread().name)
+            return bucket(*args, **kw)
+        state._bucket = spy
+        buf = torch.arange(sum(p.numel() for p in params), dtype=torch.float32) * (t.rank + 1)
+        with state:
+            outs = []
+            for lasts in ((True,), (False, True), (False, False, True)):
+                futs = [ddp.comm_hook(state, _Bucket(params, buf.clone() / len(lasts), last))
+                        for last in lasts]
+                outs += [f.wait().numpy().tobytes() for f in futs]
+        return ran, outs, threading.current_thread().name
+
+    (ran, outs, here), (_, other, _) = run_ranks(2, fn, timeout=30)
+    (queued, alone, _), _ = run_ranks(2, lambda t: fn(t, True), timeout=30)
+    assert outs == other == alone and queued == ["gradcomm-ddp-hook"] * 6
+    # the first last bucket finds the worker idle; the others before a last one queue
+    assert ran[0] == here != "gradcomm-ddp-hook", ran
+    assert ran[1] == ran[3] == ran[4] == "gradcomm-ddp-hook", ran
+
+
 # -- PowerSGD through the hook, in-process (the gloo runs are in scripts/ddp_checks.py) -------
 SHAPES = {"w": (24, 16), "b": (24,), "v": (8, 30)}
 
@@ -303,8 +339,8 @@ SHAPES = {"w": (24, 16), "b": (24,), "v": (8, 30)}
 class _Bucket:
     """What DDP hands the hook (a GradBucket): parameters, flat gradients, last or not."""
 
-    def __init__(self, params: list, buf) -> None:
-        self.params, self.buf = params, buf
+    def __init__(self, params: list, buf, last: bool = True) -> None:
+        self.params, self.buf, self.last = params, buf, last
 
     def parameters(self):
         return self.params
@@ -316,7 +352,7 @@ class _Bucket:
         return 0
 
     def is_last(self) -> bool:
-        return True
+        return self.last
 
 
 def _psgd_model():

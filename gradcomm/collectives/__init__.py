@@ -120,7 +120,7 @@ def dense_allreduce(t: Transport, buf: Any, op: str, dtype: str, algorithm_name:
     if name == "auto":
         if checked and not t.state.profile_agreed:     # not auto.is_agreed(t)
             auto.agree_profile(t)           # once per transport, collective (see auto)
-        name = auto.select(t, int(buf.nbytes), dtype, red.base_op,
+        name = auto.select(t, int(buf.nbytes), dtype, red.base_op, checked=checked,
                            native=checked or (t.native_bounded and check != "first"))
     orig = None
     if red.op == "mean" and dtype == "float16" and t.size > 1 and type(buf) is np.ndarray:

@@ -7,7 +7,9 @@ the library's own allreduce where it is fast and reduces the dtype correctly (MP
 call; not float16/bfloat16; over shared memory up to the transport's ``native_below``,
 1 MiB, where it beats the ring) and recursive doubling otherwise; above it bandwidth
 dominates and ring's 2(p-1)/p·n bytes per rank win (Rabenseifner sends the same bytes in
-fewer rounds for power-of-two p > 2).
+fewer rounds for power-of-two p > 2). Where the library's allreduce beats gradcomm's
+algorithms on large messages (``native_preferred``: gloo's), checked calls from
+:data:`PREFERRED_FROM` bytes (1 MiB) on take it.
 
 ``native`` is only chosen where it cannot hang: MPI's blocking ``MPI_Allreduce`` has no
 deadline, so on MPI it is chosen only for a call whose argument check just ran (every rank
@@ -45,13 +47,19 @@ from .costmodel import _MAX_BYTES, PROFILE_ENV, Profile, default_path
 
 #: bytes below which the latency-optimal algorithm is chosen (no profile)
 SMALL = 64 * 1024
+#: bytes from which a checked call on a ``native_preferred`` transport takes the library's
+#: allreduce (gloo, 2 ranks: 1.4x the ring at 1 MiB, 1.1x at 100 MB over 1 Gbit/s; a
+#: toss-up at 64-256 KiB, where the check's own exchange costs as much: bench/RESULTS.md)
+PREFERRED_FROM = 1 << 20
 #: the algorithms written on gradcomm's point-to-point layer
 HOP = ("recursive_doubling", "rabenseifner", "ring", "tree")
 _CACHE_LIMIT = 4096
 
 
-def table(t: Transport, nbytes: int, native: bool = False) -> str:
-    """The built-in choice (no profile); ``native``: the library's allreduce may be used.
+def table(t: Transport, nbytes: int, native: bool = False, checked: bool = False) -> str:
+    """The built-in choice (no profile); ``native``: the library's allreduce may be used;
+    ``checked``: the call's argument check ran (a transport that prefers its library's
+    allreduce, ``native_preferred``, then takes it from :data:`PREFERRED_FROM` bytes on).
 
     Example:
         >>> from gradcomm.comm import run_ranks
@@ -59,7 +67,8 @@ def table(t: Transport, nbytes: int, native: bool = False) -> str:
         ('recursive_doubling', 'rabenseifner')
     """
     p = t.size
-    if native and t.fast_native and nbytes < t.state.native_below:
+    if native and (checked and t.native_preferred and nbytes >= PREFERRED_FROM
+                   or t.fast_native and nbytes < t.state.native_below):
         return "native"
     if nbytes < SMALL:
         return "recursive_doubling"
@@ -69,23 +78,25 @@ def table(t: Transport, nbytes: int, native: bool = False) -> str:
 
 
 def select(t: Transport, nbytes: int, dtype: str = "float32", op: str = "sum", *,
-           native: bool = False) -> str:
+           native: bool = False, checked: bool = False) -> str:
     """Name of the dense algorithm to use for ``nbytes`` bytes of ``dtype`` on ``t``.
 
     ``native=True`` lets the library's own allreduce compete (when it reduces ``dtype``
     under ``op`` correctly); callers pass it only where that cannot hang (see the module
     docstring). Without it the answer is one of :data:`HOP` (what per-hop compressed
-    routes need).
+    routes need). ``checked``: this call's arguments were just checked (see
+    :func:`table`; the library's own order of additions then decides the bytes, so the
+    internal calls that a replay models, unchecked, keep gradcomm's algorithms).
     """
     cache = t.state.choices
-    key = (nbytes, dtype, op, native)
+    key = (nbytes, dtype, op, native, checked)
     name = cache.get(key)
     if name is not None:
         return name
     allow = native and t.native_supports(dtype, op)
     prof = agreed_profile(t)
     if prof is None:
-        name = table(t, nbytes, allow)
+        name = table(t, nbytes, allow, checked)
     else:
         name = prof.best((*HOP, "native") if allow else HOP, nbytes, t.size, dtype,
                          transport=t)

@@ -106,8 +106,9 @@ class Transport(ABC):
     #: for calls without the argument check); MPI's blocking MPI_Allreduce does not
     native_bounded: bool = False
     #: True where the library's own allreduce of a large buffer is faster than gradcomm's
-    #: algorithms on the same bytes (gloo's C++ ring: bench/RESULTS.md); the DDP hook then
-    #: sums its 16-bit cast payloads (fp16, bf16) with it (``integrations/ddp/cast.py``)
+    #: algorithms on the same bytes (gloo's C++ ring: bench/RESULTS.md); ``auto`` takes it
+    #: for checked dense calls from 1 MiB, and the DDP hook sums its 16-bit cast payloads (fp16,
+    #: bf16) with it (``integrations/ddp/cast.py``)
     native_preferred: bool = False
     #: True where a message only matches a receive of its own tag (threads, MPI, gloo);
     #: NCCL ignores tags, so there ``check="first"`` checks every call (its skipped calls

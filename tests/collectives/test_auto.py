@@ -383,6 +383,35 @@ def test_auto_hands_small_checked_calls_to_a_fast_native_allreduce() -> None:
 
 
 @pytest.mark.timeout(60)
+def test_a_transport_preferring_its_library_gets_every_checked_call() -> None:
+    """``native_preferred`` (gloo): ``auto`` hands checked dense calls from 1 MiB to the
+    library's allreduce (below, gradcomm's algorithms stay); unchecked calls (``False``, and ``"first"`` once the
+    arguments were checked: PowerSGD's rounds and the sparse gather, which a replay
+    models, are unchecked) keep gradcomm's algorithms; without the flag nothing changes."""
+    n = 1 << 18                                         # 1 MiB of float32
+
+    def fn(t: Any) -> list[Any]:
+        out: list[Any] = []
+        for preferred in (True, False):
+            t.native_preferred = preferred
+            t.state.choices.clear()
+            sent = []
+            for check in (True, False, "first"):    # "first": verified by call 1
+                t.stats.reset()
+                y = gradcomm.allreduce(make_input(t.rank, n, "float32", "sum"), t,
+                                       check=check)
+                assert y.tobytes() == expected(3, n, "float32", "sum").tobytes()
+                sent.append(t.stats.bytes_sent > n)     # the data point to point
+            limit = [auto.table(t, b, native=True, checked=True)
+                     for b in ((1 << 20) - 1, 1 << 20)]
+            out += [sent, limit]
+        return out
+
+    assert run_ranks(3, fn) == [[[False, True, True], ["ring", "native"],
+                                 [True, True, True], ["ring", "ring"]]] * 3
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("below", [[1 << 20] * 3, [1 << 20, 1 << 20, 64 << 10]])
 def test_the_native_size_limit_is_agreed_with_the_profile(below: list[int]) -> None:
     """``native_below`` (MPI over shared memory: 1 MiB) moves the table's native limit

@@ -59,13 +59,17 @@ class Worker:
             if self._owed:
                 return False
             self._owed += 1
+        self._run(task)
+        return True
+
+    def _run(self, task: Callable[[], None]) -> None:
+        """Run a task owed (claimed or queued), alone; then it is no longer owed."""
         try:
             with self._running:
                 task()
         finally:
             with self._count:
                 self._owed -= 1
-        return True
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the worker thread (after every queued task) and return its value;
@@ -109,12 +113,7 @@ class Worker:
             task = self.queue.get()
             if task is None:
                 return
-            try:
-                with self._running:
-                    task()
-            finally:
-                with self._count:
-                    self._owed -= 1
+            self._run(task)
 
 
 __all__ = ["Worker"]

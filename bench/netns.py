@@ -557,7 +557,25 @@ class LoopbackRelay:
 
 
 def free_loopback_port() -> int:
-    """A TCP port free on 127.0.0.1 here (namespaces are fresh: free there too)."""
+    """A TCP port free on 127.0.0.1 here (namespaces are fresh: free there too), drawn
+    below the kernel's ephemeral range: between this check and PMIx's own bind, an
+    outgoing connection (gloo's, pip's) could take an ephemeral one, and the launch then
+    fails with "The PMIx server's listener thread failed to start" (seen once in CI).
+    Falls back to an ephemeral port if none below is free."""
+    low = 32768
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    for _ in range(64):
+        port = 10000 + secrets.randbelow(max(1, low - 10000))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

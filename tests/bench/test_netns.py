@@ -101,6 +101,19 @@ def test_rate_parsing_and_tbf_sizing():
         netns.Network(3, "1gbit", topology="direct")
 
 
+def test_the_pmix_port_is_free_and_outside_the_ephemeral_range():
+    """PMIx binds the port after the harness picked it: an ephemeral one could be taken
+    meanwhile by any outgoing connection (the launch then fails)."""
+    import socket
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(20):
+        port = netns.free_loopback_port()
+        assert 10000 <= port < low
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+
+
 @pytest.mark.timeout(90)
 def test_train_over_the_emulated_link_counts_nic_bytes(tmp_path):
     """bench/train.py end to end: mpirun + gloo in namespaces; dense DDP moves the gradient

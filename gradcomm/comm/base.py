@@ -107,8 +107,8 @@ class Transport(ABC):
     native_bounded: bool = False
     #: True where the library's own allreduce of a large buffer is faster than gradcomm's
     #: algorithms on the same bytes (gloo's C++ ring: bench/RESULTS.md); ``auto`` takes it
-    #: for checked dense calls from 1 MiB, and the DDP hook sums its 16-bit cast payloads (fp16,
-    #: bf16) with it (``integrations/ddp/cast.py``)
+    #: for checked dense calls from 1 MiB, and the DDP hook sums its 16-bit cast payloads
+    #: (fp16, bf16) with it (``integrations/ddp/cast.py``)
     native_preferred: bool = False
     #: True where a message only matches a receive of its own tag (threads, MPI, gloo);
     #: NCCL ignores tags, so there ``check="first"`` checks every call (its skipped calls

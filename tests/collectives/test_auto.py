@@ -383,11 +383,12 @@ def test_auto_hands_small_checked_calls_to_a_fast_native_allreduce() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_a_transport_preferring_its_library_gets_every_checked_call() -> None:
+def test_a_transport_preferring_its_library_gets_checked_calls_from_1_mib() -> None:
     """``native_preferred`` (gloo): ``auto`` hands checked dense calls from 1 MiB to the
-    library's allreduce (below, gradcomm's algorithms stay); unchecked calls (``False``, and ``"first"`` once the
-    arguments were checked: PowerSGD's rounds and the sparse gather, which a replay
-    models, are unchecked) keep gradcomm's algorithms; without the flag nothing changes."""
+    library's allreduce (below, gradcomm's algorithms stay); unchecked calls (``False``,
+    and ``"first"`` once the arguments were checked: PowerSGD's rounds and the sparse
+    gather, which a replay models, are unchecked) keep gradcomm's algorithms; without the
+    flag nothing changes."""
     n = 1 << 18                                         # 1 MiB of float32
 
     def fn(t: Any) -> list[Any]:

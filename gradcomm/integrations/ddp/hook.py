@@ -4,7 +4,7 @@
 :func:`comm_hook` runs on the autograd thread: it names the bucket's parameters, starts
 an NCCL group's own allreduce where that is the route, and queues the bucket on the
 state's :class:`~.worker.Worker` (the last bucket, if none is queued, runs right there).
-There, :class:`CommHookState` reduces the bucket (:class:`~.routes.Routes`), or regroups
+On either thread, :class:`CommHookState` reduces the bucket (:class:`~.routes.Routes`), or regroups
 it into the saved layout in the first iteration after a load (:class:`~.replay.Replay`),
 and completes its future; at the last bucket of an iteration, the hop residuals of
 units not reduced are folded.

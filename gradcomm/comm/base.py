@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
 from ..errors import ConfigError, DeadlineError, TransportError
+from ._train import train
 from .state import NATIVE_BELOW, TransportState
 
 #: default deadline of one blocking wait, seconds
@@ -120,6 +121,11 @@ class Transport(ABC):
     #: rendezvous round trip with the link idle; a deep window keeps it streaming.
     #: Local to each rank (it never changes which bytes move).
     window_bytes: int = 0
+    #: messages of more than this many bytes (up to ``_train.MAX_TRAIN_BYTES``) travel
+    #: as consecutive slices of at most this size (:mod:`gradcomm.comm._train`: below
+    #: the library's eager limit, so none waits for a rendezvous behind queued data);
+    #: 0: one message each. Every rank must agree (the MPI transport: between nodes).
+    slice_bytes: int = 0
     #: largest message :meth:`chunk_bytes` cuts a segment into
     max_chunk_bytes: int = PIPELINE_CHUNK
     #: messages per segment :meth:`chunk_bytes` aims at (enough for a reduction to overlap
@@ -200,6 +206,8 @@ class Transport(ABC):
         self._peer(dest)
         self.stats.bytes_sent += buf.nbytes
         self.stats.messages_sent += 1
+        if self.slice_bytes:
+            return train(lambda b, tg: self._isend(b, dest, tg), buf, self.slice_bytes, tag)
         return self._isend(buf, dest, tag)
 
     def irecv(self, buf: Any, source: int, tag: int = TAG_DATA) -> Request:
@@ -207,6 +215,8 @@ class Transport(ABC):
         self._peer(source)
         self.stats.bytes_received += buf.nbytes
         self.stats.messages_received += 1
+        if self.slice_bytes:
+            return train(lambda b, tg: self._irecv(b, source, tg), buf, self.slice_bytes, tag)
         return self._irecv(buf, source, tag)
 
     def send(self, buf: Any, dest: int, tag: int = TAG_DATA) -> None:

@@ -35,6 +35,7 @@ from typing import Any, Sequence
 
 from .. import arrays
 from ..errors import ConfigError, DeadlineError, TransportError, UnsupportedError
+from ._train import flat, slice_for
 from .base import (DEFAULT_TIMEOUT, NETWORK_MAX_CHUNK, NETWORK_WINDOW, ONE_NODE_NATIVE,
                    SPIN_SECONDS, TAG_DATA, Request, Transport, poll)
 
@@ -51,7 +52,6 @@ _BOOL_OPS = {"sum": "LOR", "max": "LOR", "min": "LAND", "prod": "LAND"}
 
 #: set to "1" / "0" to declare the MPI CUDA-aware or not when detection cannot tell
 CUDA_AWARE_ENV = "GRADCOMM_MPI_CUDA_AWARE"
-
 
 #: duplications abandoned at their deadline, kept alive (MPI may still complete them)
 _ABANDONED: list[tuple[Any, Any]] = []
@@ -109,9 +109,9 @@ class MPITransport(Transport):
     name = "mpi"
     fast_native = True          # MPI_Allreduce of a few hundred bytes is one C call
     # over TCP a message above the eager limit (64 KiB) waits for its receive (a
-    # rendezvous): deep windows keep the link streaming. Over shared memory
-    # (:func:`one_node`) an instance double buffers and prefers MPI_Allreduce up to
-    # ONE_NODE_NATIVE; the cost model reads the class's window (bench/RESULTS.md).
+    # rendezvous): deep windows keep the link streaming, and an instance sends 64 KiB to
+    # 4 MiB as eager slices (base.Transport.slice_bytes). Over shared memory (one_node)
+    # it double buffers, prefers MPI_Allreduce up to ONE_NODE_NATIVE and never slices.
     window_bytes = NETWORK_WINDOW
     max_chunk_bytes = NETWORK_MAX_CHUNK
 
@@ -130,6 +130,7 @@ class MPITransport(Transport):
         self._cuda = cuda_aware()
         if one_node():
             self.window_bytes, self.native_below = 0, ONE_NODE_NATIVE
+        self.slice_bytes = 0 if one_node() else slice_for(MPI.COMM_WORLD.Get_attr(MPI.TAG_UB))
         self.devices = frozenset({"cpu", "cuda"}) if self._cuda else frozenset({"cpu"})
         # (dtype, op) -> (MPI datatype, MPI op), filled on first use
         self._native: dict[tuple[str, str], tuple[Any, Any]] = {}
@@ -193,8 +194,8 @@ class MPITransport(Transport):
                  tag: int = TAG_DATA) -> None:
         """One exchange, with a short path for the common case (host buffers, both
         completing within the spin): raw requests tested together, no wrappers."""
-        if self._cuda:
-            return super().sendrecv(sendbuf, dest, recvbuf, source, tag)
+        if self._cuda or 0 < self.slice_bytes < max(sendbuf.nbytes, recvbuf.nbytes):
+            return super().sendrecv(sendbuf, dest, recvbuf, source, tag)   # device; slices
         self._peer(dest)
         self._peer(source)
         st, nr, ns = self.stats, recvbuf.nbytes, sendbuf.nbytes
@@ -250,7 +251,7 @@ class MPITransport(Transport):
             poll(requests, self._deadline(limit), lambda: _expired(self, "a send or receive",
                                                                     limit))
         except BaseException:
-            self._abandon(requests)
+            self._abandon(flat(requests))     # a train's slices one by one
             raise
 
     def _spin_all(self, requests: Sequence[Request]) -> bool:
@@ -444,9 +445,8 @@ def one_node(env: Any = None) -> bool:
     """
     env = os.environ if env is None else env
     size = env.get("OMPI_COMM_WORLD_SIZE")
-    if not size or env.get("OMPI_COMM_WORLD_LOCAL_SIZE") != size:
-        return False
-    if env.get("OMPI_MCA_pml", "ob1") != "ob1":
+    if (not size or env.get("OMPI_COMM_WORLD_LOCAL_SIZE") != size
+            or env.get("OMPI_MCA_pml", "ob1") != "ob1"):
         return False
     btl = env.get("OMPI_MCA_btl", "").replace(" ", "")
     if not btl:

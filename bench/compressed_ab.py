@@ -16,7 +16,8 @@ A variant is ``[new:|base:]codec[:key=value...]/algorithm`` (``dense``: no compr
 The options ``ef=1`` and ``guard=0|1`` time a stateful ``gradcomm.Allreduce(op="sum",
 error_feedback=True, guard=...)`` (one per variant, one key) instead of the stateless
 call, e.g. ``onebit:ef=1:guard=1/auto onebit:ef=1:guard=0/auto`` for the divergence
-guard's cost. float32 sum of Gaussian data; ``GRADCOMM_PIPELINE`` and other settings come from the
+guard's cost, and ``pipe=0|1`` sets ``GRADCOMM_PIPELINE`` for that variant's calls only
+(the pipelined compressed ring off or forced). float32 sum of Gaussian data; ``GRADCOMM_PIPELINE`` and other settings come from the
 environment.
 """
 
@@ -67,11 +68,27 @@ def main() -> None:
         opts = {k: number(v) for k, v in (s.split("=", 1) for s in kv)}
         comp = None if name == "dense" else name
         mod, comm = mods[pkg], comms[pkg]
+        pipe = opts.pop("pipe", None)
         if opts.pop("ef", 0):
             ar = mod.Allreduce(comm, op="sum", algorithm=alg, compressor=comp,
                                error_feedback=True, guard=bool(opts.pop("guard", 1)), **opts)
-            return lambda: ar(x, key="x")
-        return lambda: mod.allreduce(x, comm, algorithm=alg, compressor=comp, **opts)
+            call = lambda: ar(x, key="x")  # noqa: E731
+        else:
+            call = lambda: mod.allreduce(x, comm, algorithm=alg, compressor=comp, **opts)  # noqa: E731
+        if pipe is None:
+            return call
+
+        def piped() -> Any:
+            old = os.environ.get("GRADCOMM_PIPELINE")
+            os.environ["GRADCOMM_PIPELINE"] = str(int(pipe))
+            try:
+                return call()
+            finally:
+                if old is None:
+                    del os.environ["GRADCOMM_PIPELINE"]
+                else:
+                    os.environ["GRADCOMM_PIPELINE"] = old
+        return piped
 
     calls = [parse(s) for s in args.variants]
     for call in calls:

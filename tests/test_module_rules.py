@@ -35,3 +35,15 @@ def test_every_module_docstring_has_a_runnable_example() -> None:
             if str(p.relative_to(PACKAGE)) not in NO_EXAMPLE
             and ">>>" not in (ast.get_docstring(ast.parse(p.read_text())) or "")]
     assert not bare, f"module docstrings without an example: {bare}"
+
+
+def test_every_test_module_has_its_own_basename() -> None:
+    """pytest's default ("prepend") import mode imports test files by basename, so a second
+    ``test_x.py`` anywhere under ``tests/`` fails the whole collection, which a run of one
+    folder does not show."""
+    tests = Path(__file__).resolve().parent
+    seen: dict[str, list[str]] = {}
+    for p in tests.rglob("test_*.py"):
+        seen.setdefault(p.name, []).append(str(p.relative_to(tests)))
+    twice = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not twice, f"rename one of each: {twice}"

@@ -57,7 +57,11 @@ def machine() -> str:
         info = Path("/proc/cpuinfo").read_text()
         model = re.search(r"model name\s*:\s*(.*)", info)
         flags = set(re.search(r"flags\s*:\s*(.*)", info).group(1).split())
-        cpu = (model.group(1) if model else "?") + " " + ",".join(
+        # OpenBLAS picks its kernel from cpuid's family and model, which a VM's generic
+        # "AMD EPYC" name hides (two such machines differed in 37 powersgd digests)
+        ids = "/".join(m.group(1) if (m := re.search(rf"^{k}\s*:\s*(\S+)", info, re.M))
+                       else "?" for k in ("cpu family", "model", "stepping"))
+        cpu = (model.group(1) if model else "?") + f" {ids} " + ",".join(
             f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in flags)
     except (OSError, AttributeError):
         pass

@@ -17,7 +17,8 @@ The options ``ef=1`` and ``guard=0|1`` time a stateful ``gradcomm.Allreduce(op="
 error_feedback=True, guard=...)`` (one per variant, one key) instead of the stateless
 call, e.g. ``onebit:ef=1:guard=1/auto onebit:ef=1:guard=0/auto`` for the divergence
 guard's cost, and ``pipe=0|1`` sets ``GRADCOMM_PIPELINE`` for that variant's calls only
-(the pipelined compressed ring off or forced). float32 sum of Gaussian data; ``GRADCOMM_PIPELINE`` and other settings come from the
+(the pipelined compressed ring off or forced). float32 sum of Gaussian data; other
+settings (and ``GRADCOMM_PIPELINE`` for variants without ``pipe=``) come from the
 environment.
 """
 
@@ -74,7 +75,8 @@ def main() -> None:
                                error_feedback=True, guard=bool(opts.pop("guard", 1)), **opts)
             call = lambda: ar(x, key="x")  # noqa: E731
         else:
-            call = lambda: mod.allreduce(x, comm, algorithm=alg, compressor=comp, **opts)  # noqa: E731
+            call = lambda: mod.allreduce(  # noqa: E731
+                x, comm, algorithm=alg, compressor=comp, **opts)
         if pipe is None:
             return call
 

@@ -55,6 +55,10 @@ pytestmark = pytest.mark.timeout(240)
 
 _NZ = torch.nonzero
 _quiet = threading.local()         # set while the nonzero workaround runs (not audited)
+#: held around every torch call on lazy tensors: the lazy backend is not thread-safe (the
+#: route test's 3 rank threads tracing at once crashed the interpreter in `.ci/run` on a
+#: loaded machine: a segfault in three threads' `torch.where` / copies)
+_SERIAL = threading.RLock()
 
 
 def _nonzero(x, *args, **kwargs):
@@ -126,9 +130,10 @@ class CudaRules(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not getattr(_quiet, "on", False):
-            self._check(getattr(func, "__name__", ""), func, args, kwargs)
-        return func(*args, **kwargs)
+        with _SERIAL:
+            if not getattr(_quiet, "on", False):
+                self._check(getattr(func, "__name__", ""), func, args, kwargs)
+            return func(*args, **kwargs)
 
     def _check(self, name: str, func, args, kwargs) -> None:
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
@@ -318,7 +323,8 @@ def grad(rank: int, n: int, dtype: str, device="cpu"):
 
 
 def raw(t) -> bytes:
-    t = t.detach().cpu().contiguous()
+    with _SERIAL:                   # called outside CudaRules on lazy results
+        t = t.detach().cpu().contiguous()
     return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().tobytes()
 
 
@@ -385,7 +391,8 @@ def test_error_feedback_on_the_device_keeps_device_rules(
         rules = CudaRules()
         with rules:
             out = [raw(ar(grad(t.rank + s, n, "float32", device), key="w")) for s in range(2)]
-        sd = ar.state_dict()
+        with _SERIAL:                   # the lazy residuals come to the host
+            sd = ar.state_dict()
         ar2 = gradcomm.Allreduce(t, compressor=name, algorithm=route, **opts)
         ar2.load_state_dict(sd)
         out += [raw(ar2(grad(t.rank + s, n, "float32"), key="w")) for s in (2, 3)]

@@ -52,9 +52,9 @@ def main() -> int:
         outs: dict[str, np.ndarray] = {}
         for s in specs:
             buf = x0.copy()
-            if "/" in s:
-                k = s.split("/")[1]
-                routes.GATHER_PIECES = None if k == "auto" else int(k)
+            routes.GATHER_PIECES = None     # the model's choice unless the variant names K
+            if "/" in s and s.split("/")[1] != "auto":
+                routes.GATHER_PIECES = int(s.split("/")[1])
             if s == "MPI_Allreduce":
                 took, _ = timed(comm, lambda: comm.Allreduce(MPI.IN_PLACE, buf, MPI.SUM))
             else:

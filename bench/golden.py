@@ -45,12 +45,44 @@ DDP_PS = (2, 3, 4)
 #: (PowerSGD's matmuls and QR round differently per kernel): they are compared only where
 #: the group was recorded on the same machine(); the exact replay holds them everywhere
 BLAS_BOUND = "powersgd"
+#: groups whose every digest hangs on the CPU: the DDP hook's runs train a torch model, and
+#: torch's CPU kernels round differently per CPU (on an AMD EPYC family 26, 909983b gave
+#: other bytes than the record from an Intel Xeon in 19 of ddp/2's 20 shared labels)
+CPU_BOUND_GROUPS = ("ddp/",)
 #: the file's entry naming, per group, the machine() it was recorded on
 MACHINE = "_machine"
 
 
-def machine() -> str:
-    """What BLAS-bound digests depend on: numpy, its BLAS build, and the CPU."""
+#: OpenBLAS's thread-count getter under the names its builds export
+_GET_THREADS = ("scipy_openblas_get_num_threads64_", "scipy_openblas_get_num_threads",
+                "openblas_get_num_threads64_", "openblas_get_num_threads")
+
+
+def blas_threads(group: str = "threads") -> str:
+    """The BLAS threads ``group``'s PowerSGD ran with (OpenBLAS splits its products by
+    thread count, so the count changes bits): in this process for ``threads/*`` and
+    ``payloads`` (what each loaded OpenBLAS says), else what the launched ranks get
+    (``tests._launch`` sets ``OMP_NUM_THREADS=1``; ``OPENBLAS_NUM_THREADS`` overrides)."""
+    if group.startswith("threads") or group == "payloads":
+        import ctypes
+
+        try:                            # numpy's and (once PowerSGD loaded it) scipy's
+            paths = sorted({ln.split()[-1] for ln in Path("/proc/self/maps").read_text()
+                            .splitlines() if "openblas" in ln})
+        except OSError:
+            return "?"
+        counts = []
+        for path in paths:
+            lib = ctypes.CDLL(path)
+            get = next((getattr(lib, f) for f in _GET_THREADS if hasattr(lib, f)), None)
+            counts.append(str(get()) if get is not None else "?")
+        return ",".join(counts) or "?"
+    return os.environ.get("OPENBLAS_NUM_THREADS") or "1"    # tests._launch: OMP_NUM_THREADS=1
+
+
+def machine(group: str = "threads") -> str:
+    """What ``group``'s BLAS-bound digests depend on: numpy, its BLAS build and threads,
+    and the CPU."""
     blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
     cpu = ""
     try:
@@ -65,15 +97,18 @@ def machine() -> str:
             f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in flags)
     except (OSError, AttributeError):
         pass
-    return f"numpy {np.__version__}; {blas.get('name')} {blas.get('version')}; {cpu}"
+    return (f"numpy {np.__version__}; {blas.get('name')} {blas.get('version')} "
+            f"x{blas_threads(group)}; {cpu}")
 
 
 def differences(group: str, got: dict[str, str], recorded: dict[str, Any]) -> tuple[list[str], int]:
-    """(labels whose digest differs from the record, BLAS-bound labels not comparable here)."""
+    """(labels whose digest differs from the record, BLAS- or CPU-bound labels not
+    comparable here)."""
     want = recorded[group]
-    here = recorded.get(MACHINE, {}).get(group) == machine()
+    here = recorded.get(MACHINE, {}).get(group) == machine(group)
     keys = want.keys() | got.keys()
-    skip = set() if here else {k for k in keys if BLAS_BOUND in k}
+    skip = set() if here else {k for k in keys if BLAS_BOUND in k
+                               or group.startswith(CPU_BOUND_GROUPS)}
     return sorted(k for k in keys - skip if want.get(k) != got.get(k)), len(skip)
 
 
@@ -381,7 +416,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         _worker(*args.worker)
         return 0
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     wires = [w for w in args.wires.split(",") if w]
     ps = tuple(int(x) for x in args.ranks.split(","))
     path = Path(args.file)
@@ -390,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
         n = 0
         for group, digests in compute(wires, ps):      # saved group by group
             old[group] = digests
-            old.setdefault(MACHINE, {})[group] = machine()
+            old.setdefault(MACHINE, {})[group] = machine(group)
             n += len(digests)
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(old, indent=0, sort_keys=True) + "\n")
@@ -412,8 +446,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{what} {group} {k}: recorded {want[group].get(k)} now {digests.get(k)}")
             bad += 1
     if skipped:
-        print(f"{skipped} {BLAS_BOUND} digests not compared: recorded on another BLAS/CPU "
-              f"(here: {machine()}); tests/bench/test_replay.py holds them to the replay")
+        print(f"{skipped} {BLAS_BOUND} and ddp digests not compared: recorded on another "
+              f"BLAS/CPU (here: {machine()}); tests/bench/test_replay.py holds them to the "
+              "replay")
     print(f"{total} digests compared, {bad} differ")
     return 1 if bad else 0
 

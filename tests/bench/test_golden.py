@@ -47,6 +47,14 @@ def test_only_blas_bound_digests_are_excused_on_another_machine() -> None:
     rec = {"g": {"codec/powersgd/x": "a", "codec/topk/x": "b"}, golden.MACHINE: {"g": "elsewhere"}}
     got = {"codec/powersgd/x": "A", "codec/topk/x": "B", "codec/int8/new": "c"}
     assert golden.differences("g", got, rec) == (["codec/int8/new", "codec/topk/x"], 1)
-    rec[golden.MACHINE]["g"] = golden.machine()
+    rec[golden.MACHINE]["g"] = golden.machine("g")
     assert golden.differences("g", got, rec) == (
         ["codec/int8/new", "codec/powersgd/x", "codec/topk/x"], 0)
+
+
+def test_a_ddp_group_is_excused_whole_on_another_machine() -> None:
+    rec = {"ddp/2": {"ddp/int8/ring": "a"}, golden.MACHINE: {"ddp/2": "elsewhere"}}
+    got = {"ddp/int8/ring": "A"}
+    assert golden.differences("ddp/2", got, rec) == ([], 1)
+    rec[golden.MACHINE]["ddp/2"] = golden.machine("ddp/2")
+    assert golden.differences("ddp/2", got, rec) == (["ddp/int8/ring"], 0)

@@ -17,7 +17,10 @@ The options ``ef=1`` and ``guard=0|1`` time a stateful ``gradcomm.Allreduce(op="
 error_feedback=True, guard=...)`` (one per variant, one key) instead of the stateless
 call, e.g. ``onebit:ef=1:guard=1/auto onebit:ef=1:guard=0/auto`` for the divergence
 guard's cost, and ``pipe=0|1`` sets ``GRADCOMM_PIPELINE`` for that variant's calls only
-(the pipelined compressed ring off or forced). float32 sum of Gaussian data; other
+(the pipelined compressed ring off or forced), and ``chunk=BYTES`` sets
+``gradcomm.compressed.routes.CHUNK_BYTES`` (the compressed message of the per-hop ring
+and tree) and ``span=BYTES`` its ``MAX_SPAN_BYTES`` (the most dense bytes one message
+covers) likewise. float32 sum of Gaussian data; other
 settings (and ``GRADCOMM_PIPELINE`` for variants without ``pipe=``) come from the
 environment.
 """
@@ -70,6 +73,8 @@ def main() -> None:
         comp = None if name == "dense" else name
         mod, comm = mods[pkg], comms[pkg]
         pipe = opts.pop("pipe", None)
+        chunk = opts.pop("chunk", None)
+        span = opts.pop("span", None)
         if opts.pop("ef", 0):
             ar = mod.Allreduce(comm, op="sum", algorithm=alg, compressor=comp,
                                error_feedback=True, guard=bool(opts.pop("guard", 1)), **opts)
@@ -77,17 +82,25 @@ def main() -> None:
         else:
             call = lambda: mod.allreduce(  # noqa: E731
                 x, comm, algorithm=alg, compressor=comp, **opts)
-        if pipe is None:
+        if pipe is None and chunk is None and span is None:
             return call
+        routes = mod.compressed.routes
 
         def piped() -> Any:
-            old = os.environ.get("GRADCOMM_PIPELINE")
-            os.environ["GRADCOMM_PIPELINE"] = str(int(pipe))
+            old, old_chunk = os.environ.get("GRADCOMM_PIPELINE"), routes.CHUNK_BYTES
+            old_span = routes.MAX_SPAN_BYTES
+            if span is not None:
+                routes.MAX_SPAN_BYTES = int(span)
+            if pipe is not None:
+                os.environ["GRADCOMM_PIPELINE"] = str(int(pipe))
+            if chunk is not None:
+                routes.CHUNK_BYTES = int(chunk)
             try:
                 return call()
             finally:
+                routes.CHUNK_BYTES, routes.MAX_SPAN_BYTES = old_chunk, old_span
                 if old is None:
-                    del os.environ["GRADCOMM_PIPELINE"]
+                    os.environ.pop("GRADCOMM_PIPELINE", None)
                 else:
                     os.environ["GRADCOMM_PIPELINE"] = old
         return piped

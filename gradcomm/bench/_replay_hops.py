@@ -336,12 +336,9 @@ def segment_codec(codec: Compressor, n: int) -> Compressor:
 
 def _chunk_elements(codec: Compressor, n: int, dt: np.dtype) -> int:
     """Elements per pipelined message of the compressed ring and tree."""
-    from ..compressed.routes import CHUNK_BYTES
+    from ..compressed.routes import span_bytes
 
-    itemsize = dt.itemsize
-    ratio = n * itemsize / max(1, int(codec.max_nbytes(n, dt.name)))
-    chunk_bytes = max(itemsize, int(CHUNK_BYTES * max(1.0, ratio)))
-    return max(1, chunk_bytes // itemsize)
+    return max(1, span_bytes(codec, n, dt.name) // dt.itemsize)
 
 
 def per_hop(xs: list[np.ndarray], codec: Compressor, name: str, base: tuple[int, ...],

@@ -41,13 +41,13 @@ from ._replay_hops import bounds, chunks, narrow, over_wire, rank_inputs, segmen
 
 #: routes :func:`replay_reduce_scatter` reproduces
 RS_ROUTES = ("alltoall", "ring")
-#: target bytes of one compressed ring message (``compressed.routes.CHUNK_BYTES``)
-_CHUNK_BYTES = 2 << 20
 
 
 def _chunk(codec: Compressor, n: int, dt: np.dtype) -> int:
-    ratio = n * dt.itemsize / max(1, int(codec.max_nbytes(n, dt.name)))
-    return max(1, max(dt.itemsize, int(_CHUNK_BYTES * max(1.0, ratio))) // dt.itemsize)
+    """Elements per message of the compressed ring (``compressed.routes.span_bytes``)."""
+    from ..compressed.routes import span_bytes
+
+    return max(1, span_bytes(codec, n, dt.name) // dt.itemsize)
 
 
 class _Sender:

@@ -39,7 +39,7 @@ def choose(t: Transport, codec: Compressor, n: int, dtype: str, itemsize: int) -
         return per_hop
     times = route_times(t.size, n, c, itemsize, codec.name, per_hop, agreed_profile(t),
                         gathered=True, sparse=codec.sparse,
-                        chunk_bytes=routes.CHUNK_BYTES)
+                        chunk_bytes=routes.message_bytes(codec, n, dtype))
     return min(times, key=lambda r: (times[r], r == per_hop))    # ties: exact route
 
 

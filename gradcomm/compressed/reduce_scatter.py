@@ -68,9 +68,9 @@ from ..error_feedback import ResidualStore, contractive
 from ..errors import ConfigError, GradcommError, UnsupportedError
 from ..ops import Reducer
 from ._args import check_key, check_op, check_seed
-from .frames import Frames, max_nbytes
+from .frames import Frames
 from .reduce_scatter_alltoall import alltoall
-from .routes import CHUNK_BYTES, _narrow, _widen, segment_codec
+from .routes import _narrow, _widen, segment_codec, span_bytes
 from .seeds import Seeds
 from .state import next_step, session
 from .wire import CompressedWire
@@ -100,9 +100,7 @@ def check_algorithm(algorithm: str, name: str) -> None:
 
 def ring_chunk(codec: Compressor, n: int, dtype: str) -> int:
     """Elements per message of the compressed ring (as the compressed allreduce's ring)."""
-    itemsize = np.dtype(dtype).itemsize
-    ratio = n * itemsize / max(1, max_nbytes(codec, n, dtype))
-    return max(1, max(itemsize, int(CHUNK_BYTES * max(1.0, ratio))) // itemsize)
+    return max(1, span_bytes(codec, n, dtype) // np.dtype(dtype).itemsize)
 
 
 def wire_bytes(codec: Compressor, n: int, p: int, rank: int, dtype: str,

@@ -3,8 +3,9 @@
 - **per hop** (:data:`~gradcomm.compressed._args.HOP_ALGORITHMS`): the dense algorithm
   runs on a :class:`~gradcomm.compressed.wire.CompressedWire`; a codec told to keep ``k``
   elements keeps ``k/n`` of each segment (:func:`segment_codec`); ring and tree move
-  messages of about :data:`CHUNK_BYTES`; a large ring may run its codec work on a worker
-  thread (:mod:`~gradcomm.compressed.ring`).
+  messages of about :data:`CHUNK_BYTES` that span at most :data:`MAX_SPAN_BYTES` of the
+  buffer (:func:`span_bytes`: a high-ratio codec's encode then overlaps the wire); a
+  large ring may run its codec work on a worker thread (:mod:`~gradcomm.compressed.ring`).
 - **allgather**: every rank compresses ``e + g`` once into a frame whose size follows
   from the count alone, the frames are allgathered, and every rank decodes and sums them
   in rank order. For codecs with a ``piece_quantum`` on host buffers the cost model may
@@ -54,6 +55,9 @@ from .wire import CompressedWire
 
 #: target bytes of one compressed message in the pipelined ring and tree
 CHUNK_BYTES = 2 << 20
+#: the most dense bytes one such message covers (a high-ratio codec's message would
+#: otherwise span a whole large segment, whose encode then waits for none of the wire)
+MAX_SPAN_BYTES = 8 << 20
 #: pieces of the gathered route's pipeline: None lets the cost model decide, 1 is one
 #: shot (benchmarks set it to compare; it must be the same on every rank)
 GATHER_PIECES: int | None = None
@@ -103,6 +107,30 @@ def segment_codec(codec: Compressor, n: int) -> Compressor:
     return compressors.get(codec.name, ratio=min(1.0, k / n))
 
 
+def span_bytes(codec: Compressor, n: int, dtype: str) -> int:
+    """Dense bytes one compressed message of the per-hop ring and tree covers, for
+    ``n`` elements of working ``dtype`` through ``codec``: about :data:`CHUNK_BYTES`
+    compressed, at most :data:`MAX_SPAN_BYTES` dense (a function of these only, so every
+    rank cuts the same segments, whatever the transport).
+
+    Example:
+        >>> from gradcomm import compressors
+        >>> [round(span_bytes(compressors.get(c), 10**8, "float32") / 2**20, 1)
+        ...  for c in ("fp16", "int8", "onebit")]
+        [4.0, 7.9, 8.0]
+    """
+    itemsize = np.dtype(dtype).itemsize
+    ratio = n * itemsize / max(1, max_nbytes(codec, n, dtype))
+    return max(itemsize, min(int(CHUNK_BYTES * max(1.0, ratio)), MAX_SPAN_BYTES))
+
+
+def message_bytes(codec: Compressor, n: int, dtype: str) -> int:
+    """Compressed bytes of one message of :func:`span_bytes` (the cost model's
+    ``chunk_bytes``)."""
+    whole = n * np.dtype(dtype).itemsize
+    return max(1, max_nbytes(codec, n, dtype) * span_bytes(codec, n, dtype) // max(1, whole))
+
+
 def link_bound(t: Transport, codec: Compressor, x: Any) -> bool:
     """Whether the agreed calibrated profile (if any) models the ring's wire time at more
     than twice its codec time (then keeping the link busy pays for a worker thread)."""
@@ -112,9 +140,9 @@ def link_bound(t: Transport, codec: Compressor, x: Any) -> bool:
     n = arrays.size(x)
     if prof is None or not n:
         return False
-    c = max_nbytes(codec, n, arrays.dtype_name(x))
-    return _profile_link_bound(prof, t.size, n, c, arrays.itemsize(x), codec.name,
-                               chunk_bytes=CHUNK_BYTES)
+    dt = arrays.dtype_name(x)
+    return _profile_link_bound(prof, t.size, n, max_nbytes(codec, n, dt), arrays.itemsize(x),
+                               codec.name, chunk_bytes=message_bytes(codec, n, dt))
 
 
 def per_hop(t: Transport, x: Any, codec: Compressor, name: str, seeds: Seeds,
@@ -127,8 +155,7 @@ def per_hop(t: Transport, x: Any, codec: Compressor, name: str, seeds: Seeds,
     wire = CompressedWire(codec, x, seeds, max_parts=parts, ef=ef, key=key, scratch=scratch)
     kwargs: dict[str, Any] = {}
     if name in ("ring", "tree") and n:
-        ratio = n * itemsize / max(1, max_nbytes(codec, n, dt))
-        kwargs["chunk_bytes"] = max(itemsize, int(CHUNK_BYTES * max(1.0, ratio)))
+        kwargs["chunk_bytes"] = span_bytes(codec, n, dt)
     if name == "ring" and ring.wanted(n * itemsize, t, link_bound(t, codec, x)):
         ring.allreduce(t, x, wire, **kwargs)
         return

@@ -102,6 +102,17 @@ def test_replay_chunked_ring_and_tree(name: str, monkeypatch: pytest.MonkeyPatch
     _check(name, "ring", 3, 301, op="sum", ef=True)
 
 
+@pytest.mark.parametrize("name", ["onebit", "terngrad", "int8"])
+def test_replay_capped_span(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Messages cut by the span cap (routes.MAX_SPAN_BYTES), not by CHUNK_BYTES: the
+    replay cuts the same segments, on both rings and the tree."""
+    monkeypatch.setattr(routes, "MAX_SPAN_BYTES", 2048)
+    for route, p, n in (("ring", 3, 3001), ("tree", 5, 3001)):
+        _check(name, route, p, n, op="mean", ef=True)
+    monkeypatch.setenv("GRADCOMM_PIPELINE", "1")
+    _check(name, "ring", 2, 4001, op="sum", ef=True)
+
+
 @pytest.mark.parametrize("name,opts", [("topk", {"k": 5}), ("topk", {"ratio": 0.5}),
                                        ("randomk", {"k": 3}), ("randomk", {"ratio": 1.0}),
                                        ("int8", {"bits": 4, "bucket_size": 16}),

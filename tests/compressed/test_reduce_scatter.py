@@ -18,6 +18,7 @@ from gradcomm._dtypes import f32_to_bf16
 from gradcomm.bench.replay import replay_reduce_scatter
 from gradcomm.collectives.reduce_scatter import dense_reduce_scatter, shard_bounds
 from gradcomm.comm import run_ranks
+from gradcomm.compressed import routes
 from gradcomm.compressed.reduce_scatter import (ROUTES, compressed_reduce_scatter,
                                                 wire_bytes)
 from gradcomm.error_feedback import ErrorFeedback, contractive
@@ -100,6 +101,14 @@ def test_codec_matches_replay(codec: str, route: str) -> None:
     for p in (2, 3, 5):
         _check_codec(codec, route, p, "float32", ef=True, steps=3)
     _check_codec(codec, route, 3, "bfloat16", ef=True, steps=2)
+
+
+@pytest.mark.parametrize("codec", ["onebit", "int8"])
+def test_capped_span_matches_replay(codec: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ring's messages cut by routes.MAX_SPAN_BYTES: the replay cuts them alike."""
+    monkeypatch.setattr(routes, "MAX_SPAN_BYTES", 256)
+    for p in (2, 3):
+        _check_codec(codec, "ring", p, "float32", ef=True, steps=2)
 
 
 # -- error feedback ----------------------------------------------------------------------------

@@ -1,0 +1,48 @@
+"""gradcomm.compressed.routes: how far one compressed message of the per-hop ring and
+tree reaches (span_bytes), and that the routes keep to it on both rings."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gradcomm import compressors
+from gradcomm.compressed import compressed_allreduce, routes
+from gradcomm.comm import run_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_span_follows_the_compressed_size_up_to_the_cap() -> None:
+    n = 10**8
+    fp16, onebit = compressors.get("fp16"), compressors.get("onebit")
+    assert routes.span_bytes(fp16, n, "float32") == pytest.approx(2 * routes.CHUNK_BYTES,
+                                                                  rel=1e-3)
+    assert routes.span_bytes(onebit, n, "float32") == routes.MAX_SPAN_BYTES
+    # a message is about CHUNK_BYTES compressed, and less where the cap cuts it
+    assert routes.message_bytes(fp16, n, "float32") == pytest.approx(routes.CHUNK_BYTES,
+                                                                     rel=1e-3)
+    assert routes.message_bytes(onebit, n, "float32") < routes.CHUNK_BYTES / 4
+    assert routes.span_bytes(onebit, 3, "float64") >= 8
+
+
+@pytest.mark.parametrize("pipeline", ["0", "1"])
+@pytest.mark.parametrize("name", ["onebit", "terngrad"])
+def test_a_high_ratio_codec_sends_a_segment_in_capped_messages(
+        name: str, pipeline: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ring sends each segment in ceil(segment / cap) messages, not one, on the
+    serial and the pipelined ring alike, and every rank holds the same bytes."""
+    monkeypatch.setenv("GRADCOMM_PIPELINE", pipeline)
+    monkeypatch.setattr(routes, "MAX_SPAN_BYTES", 4096)   # 1024 floats per message
+    p, n = 2, 10_007                                        # segments of 5004 and 5003
+
+    def fn(t):
+        x = np.random.default_rng([t.rank, n]).standard_normal(n).astype(np.float32)
+        t.stats.reset()
+        out = compressed_allreduce(t, x, "float32", op="sum", algorithm="ring",
+                                   compressor=name, check=False)
+        return out.tobytes(), t.stats.messages_sent
+
+    res = run_ranks(p, fn, timeout=60)
+    assert all(r[0] == res[0][0] for r in res)
+    assert [r[1] for r in res] == [2 * 5] * p     # 5 messages per segment, two phases

@@ -205,6 +205,11 @@ class Allreduce:
         self.guard = Guard(residual_bound) if guard and lossy and (
             self.error_feedback.enabled or self.compressor.name == "powersgd") else None
         self._transport: Any = None
+        #: whether the compressed route may read the input where it lies (the sparse
+        #: gathered route of a sum): then no copy, and the guard's norm is a pass alone
+        self._reads_src = bool(self.compressor is not None and self.compressor.sparse_pairs
+                               and op == "sum"
+                               and algorithm in ("auto", "sparse_allgather"))
 
     @property
     def transport(self) -> Any:
@@ -218,19 +223,19 @@ class Allreduce:
         t = self.transport
         ef = self.error_feedback
         g2 = src = None
-        if self.guard is not None and type(x) is np.ndarray and x.dtype == np.float32 \
-                and x.flags.c_contiguous:           # the copy and the guard's input norm
-            buf = np.empty(x.size, np.float32)      # in one pass (as plan.flat copies)
-            g2 = _kernels.for_size(x.size).copy_sq_norm(x.reshape(-1), buf)
-            meta = arrays.backend(x).meta(x)
-        elif (got := self.plan.views(x, t)) is not None:    # dense: read where it lies
+        if self.guard is not None and not self._reads_src and type(x) is np.ndarray \
+                and x.dtype == np.float32 and x.flags.c_contiguous:
+            buf = np.empty(x.size, np.float32)      # the copy and the guard's input norm
+            g2 = _kernels.for_size(x.size).copy_sq_norm(x.reshape(-1), buf)    # in one
+            meta = arrays.backend(x).meta(x)                                   # pass
+        elif (got := self.plan.views(x, t)) is not None:    # read where it lies
             src, buf, meta = got
         else:
             buf, meta = self.plan.flat(x, t)
         compressed = self.plan.compresses(meta.dtype)  # (a sparse gradient may go
         guard = self.guard if compressed else None      # uncompressed through
         if guard is not None:                           # sparse_allgather)
-            guard.observe(key, buf, g2)
+            guard.observe(key, buf if src is None else src, g2)
             ef.tally = np.zeros(2)      # the codecs add their residuals' norms in their pass
         try:
             buf = self.plan.run(t, buf, meta.dtype, meta=meta,

@@ -192,16 +192,15 @@ class Reduction:
 
         - ``in_place`` (``allreduce_``): ``(None, x's flat view, meta)``: no copy in,
           none out;
-        - else, for a dense reduction of one pipeline chunk and more (below it the
-          latency algorithms copy it in anyway): ``(x's flat view, an empty result
-          buffer, meta)``, so the reduction reads ``x`` where it lies
-          (``run(..., src=view)``)."""
+        - else, for a reduction of one pipeline chunk and more (below it the latency
+          algorithms copy it in anyway): ``(x's flat view, an empty result buffer,
+          meta)``, so the reduction reads ``x`` where it lies (``run(..., src=view)``;
+          a compressed route that cannot copies it in first)."""
         b = arrays.backend(x)
         if not in_place and b.nbytes(x) < PIPELINE_CHUNK:
             return None
         meta = b.meta(x)
-        if (not in_place and self.compresses(meta.dtype)) or \
-                self._where(x, meta, t) != "host" or not _viewable(b, x, meta):
+        if self._where(x, meta, t) != "host" or not _viewable(b, x, meta):
             return None
         view = b.host_view(x)
         return (None, view, meta) if in_place else (view, np.empty_like(view), meta)
@@ -225,11 +224,9 @@ class Reduction:
                 algorithm = "auto"
             return dense_allreduce(t, buf, op, dtype, algorithm, check=self.check,
                                    problem=problem, src=src)
-        if src is not None:
-            np.copyto(buf, src)
         options = self.options if meta is None else \
             with_shape(self.compressor, meta, self.options)
         return compressed_allreduce(t, buf, dtype, op=op, algorithm=self.algorithm,
                                     compressor=self.compressor or "none", check=self.check,
                                     seed=self.seed, residuals=residuals, key=key,
-                                    problem=problem, **options)
+                                    problem=problem, src=src, **options)

@@ -55,7 +55,8 @@ def _is_powersgd(compressor: Any) -> bool:
 def compressed_allreduce(t: Transport, buf: Any, dtype: str, *, op: str, algorithm: str,
                          compressor: Any, check: bool = True, seed: int | None = None,
                          residuals: ResidualStore | None = None, key: str | None = None,
-                         problem: Exception | None = None, **options: Any) -> Any:
+                         problem: Exception | None = None, src: Any = None,
+                         **options: Any) -> Any:
     """Allreduce flat storage ``buf`` of logical ``dtype`` through ``compressor``.
 
     ``buf`` may be overwritten; the result (flat, storage dtype) is returned. ``residuals``
@@ -66,8 +67,14 @@ def compressed_allreduce(t: Transport, buf: Any, dtype: str, *, op: str, algorit
     (how the buffer is made of matrices) beside its codec options. Errors in the
     arguments are raised on every rank (after the cross-rank check, when ``check``);
     ``problem``: the caller's own objection to this rank's arguments, raised like them.
+    ``src``: this rank's values, of ``buf``'s size and dtype (host), read where they lie
+    and not modified; ``buf``'s contents are then ignored (a route that cannot read
+    ``src`` copies it into ``buf`` first).
     """
     low_rank = _is_powersgd(compressor)
+    if src is not None and low_rank:
+        arrays.assign(buf, src)
+        src = None
     if low_rank and not arrays.is_host(buf):
         res = compressed_allreduce(t, arrays.host(buf).copy(), dtype, op=op,
                                    algorithm=algorithm, compressor=compressor, check=check,
@@ -123,7 +130,8 @@ def compressed_allreduce(t: Transport, buf: Any, dtype: str, *, op: str, algorit
         route = algorithm
         if route == "auto" and t.size > 1 and n:
             route = route_of(t, codec, n, dtype, device=not arrays.is_host(buf))
-        out = routes.run(t, buf, dtype, op, route, codec, int(seed), step, residuals, key)
+        out = routes.run(t, buf, dtype, op, route, codec, int(seed), step, residuals, key,
+                         src=src)
     if residuals is not None:
         residuals.advance(key)
     return out

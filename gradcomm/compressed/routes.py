@@ -163,11 +163,14 @@ def per_hop(t: Transport, x: Any, codec: Compressor, name: str, seeds: Seeds,
 
 
 def gathered(t: Transport, x: Any, codec: Compressor, sparse: bool, seeds: Seeds,
-             ef: ResidualStore | None, key: str, scratch: Scratch | None = None) -> None:
+             ef: ResidualStore | None, key: str, scratch: Scratch | None = None,
+             src: Any = None) -> None:
     """Every rank compresses ``x`` (+ its residual) once; the payloads are allgathered as
     one-part frames of the same size (no size exchange) and decoded-and-summed in rank
     order into ``x``. Sparse codecs send their (index, value) pairs through
-    :func:`~gradcomm.collectives.sparse_allgather.allreduce` instead."""
+    :func:`~gradcomm.collectives.sparse_allgather.allreduce` instead. ``src``: the
+    values (``x``'s contents are then ignored): the (index, value) pairs are taken from
+    it where they lie, and on every other path it is copied into ``x`` first."""
     from ..collectives.allgather import allgatherv
 
     n = arrays.size(x)
@@ -176,6 +179,9 @@ def gathered(t: Transport, x: Any, codec: Compressor, sparse: bool, seeds: Seeds
     size = f.bound(n)
     e = ef.flat_residual(key, n, f.dtype, like=x) if ef is not None and f.fused else None
     tally = None if e is None else ef.tally
+    direct = src is not None and sparse and pairs and (ef is None or e is not None)
+    if src is not None and not direct:
+        arrays.assign(x, src)
     if ef is None or e is not None:
         # the key's residual e (if any) is fused into the codec's pass: y = x + e is
         # compressed and e = y - decode(y) left behind; x itself is not needed after
@@ -192,7 +198,7 @@ def gathered(t: Transport, x: Any, codec: Compressor, sparse: bool, seeds: Seeds
                 t.state.plans[sig] = pieced_if_it_pays(t, g, seeds.base[0])
             return
         if sparse and pairs:
-            payload = codec.compress(x, seed=seeds.whole(),
+            payload = codec.compress(src if direct else x, seed=seeds.whole(),
                                      **({} if e is None else {"residual": e, "tally": tally}))
             _, _, idx, vals = codec.to_sparse(payload)
             _sparse_sum(t, idx, vals, x)
@@ -290,14 +296,21 @@ def _decode_sum(f: Frames, payloads: list[Payload], x: Any) -> None:
 
 def run(t: Transport, buf: Any, dtype: str, op: str, route: str, codec: Compressor,
         seed: int, step: int, ef: ResidualStore | None, key: str,
-        feedback: bool | None = None) -> Any:
+        feedback: bool | None = None, src: Any = None) -> Any:
     """Allreduce flat storage ``buf`` of logical ``dtype`` (op ``sum`` or ``mean``) by
     ``route`` (a per-hop algorithm, ``allgather`` or ``sparse_allgather``: decided by the
     caller) through ``codec``; returns the result (``buf``, overwritten). ``feedback``:
     whether ``ef``'s residuals apply, if the caller decided it already (as
-    :func:`feeds_back` does; None: decided here)."""
+    :func:`feeds_back` does; None: decided here). ``src``: the values to reduce, read
+    where they lie (host float32 on the sparse gathered route), else first copied into
+    ``buf``; None: ``buf`` holds them."""
+    if src is not None and not (route == "sparse_allgather" and dtype == "float32"
+                                and op == "sum" and codec.sparse_pairs
+                                and t.size > 1 and arrays.size(buf)):
+        arrays.assign(buf, src)
+        src = None
     with arrays.device_scope(buf):         # cupy: kernels and new arrays on buf's device
-        return _run(t, buf, dtype, op, route, codec, seed, step, ef, key, feedback)
+        return _run(t, buf, dtype, op, route, codec, seed, step, ef, key, feedback, src)
 
 
 def feeds_back(t: Transport, route: str, codec: Compressor, ef: ResidualStore | None
@@ -312,7 +325,7 @@ def feeds_back(t: Transport, route: str, codec: Compressor, ef: ResidualStore | 
 
 def _run(t: Transport, buf: Any, dtype: str, op: str, route: str, codec: Compressor,
          seed: int, step: int, ef: ResidualStore | None, key: str,
-         feedback: bool | None) -> Any:
+         feedback: bool | None, src: Any) -> Any:
     """:func:`run` in ``buf``'s device scope."""
     p, n = t.size, arrays.size(buf)
     if feedback is None:
@@ -335,7 +348,7 @@ def _run(t: Transport, buf: Any, dtype: str, op: str, route: str, codec: Compres
         if route in HOP_ALGORITHMS:
             per_hop(t, x, codec, route, seeds, ef, key, scratch)
         else:
-            gathered(t, x, codec, route == "sparse_allgather", seeds, ef, key, scratch)
+            gathered(t, x, codec, route == "sparse_allgather", seeds, ef, key, scratch, src)
         if op == "mean" and not pre_divide:
             arrays.divide_(x, p)
         return _narrow(x, buf, dtype)

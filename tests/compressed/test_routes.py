@@ -46,3 +46,45 @@ def test_a_high_ratio_codec_sends_a_segment_in_capped_messages(
     res = run_ranks(p, fn, timeout=60)
     assert all(r[0] == res[0][0] for r in res)
     assert [r[1] for r in res] == [2 * 5] * p     # 5 messages per segment, two phases
+
+
+def _gauss(rank: int, n: int, step: int) -> np.ndarray:
+    return np.random.default_rng([rank, n, step]).standard_normal(n).astype(np.float32)
+
+
+def test_a_sparse_sum_reads_its_input_where_it_lies() -> None:
+    """Top-k sums (stateless, and gradcomm.Allreduce with error feedback and the guard)
+    take their pairs from the caller's array, not from a copy: the same bytes and
+    residuals as the copying path, the input untouched, and the guard's input norm taken
+    from the input."""
+    import gradcomm
+    from gradcomm.compressed.guard import sq_norm
+    from gradcomm.error_feedback import ErrorFeedback
+
+    n = 300_007                                            # above one pipeline chunk
+
+    def fn(t):
+        ar = gradcomm.Allreduce(t, op="sum", compressor="topk", ratio=0.01)
+        ref = ErrorFeedback(enabled=True)
+        ok = []
+        for step in range(3):
+            x = _gauss(t.rank, n, step)
+            keep = x.copy()
+            got = ar(x, key="w")
+            want = compressed_allreduce(t, keep.copy(), "float32", op="sum",
+                                        algorithm="auto", compressor="topk", ratio=0.01,
+                                        residuals=ref, key="w")
+            ok += [got.tobytes() == want.tobytes(), x.tobytes() == keep.tobytes(),
+                   ar.error_feedback.residual("w", n, np.float32).tobytes()
+                   == ref.residual("w", n, np.float32).tobytes(),
+                   ar.guard._scale["w"] >= sq_norm(keep)]
+        plain = gradcomm.allreduce(x, t, op="sum", compressor="topk", ratio=0.01)
+        want = compressed_allreduce(t, keep.copy(), "float32", op="sum", algorithm="auto",
+                                    compressor="topk", ratio=0.01)
+        ok += [plain.tobytes() == want.tobytes(), x.tobytes() == keep.tobytes(),
+               ar.guard._scale["w"] == max(sq_norm(_gauss(t.rank, n, s)) for s in range(3))]
+        return ok, got.tobytes()
+
+    res = run_ranks(3, fn, timeout=60)
+    assert all(all(ok) for ok, _ in res), [ok for ok, _ in res]
+    assert all(r[1] == res[0][1] for r in res)

@@ -128,13 +128,15 @@ def allreduce(t: Transport, indices: np.ndarray, values: np.ndarray, n: int, *,
     if idx.size and not (idx[0] >= 0 and idx[-1] < n):
         raise ConfigError(f"indices must lie in [0, {n}), got {idx[0]}..{idx[-1]}")
     _, blocks, dense, _ = _exchange(t, idx, vals, n, mask=False)
-    if out is None:
+    fresh = out is None
+    if fresh:                             # zero pages: no fill before the scatter
         out = np.zeros(n, vals.dtype)
     host = arrays.is_host(out)            # else a device buffer: blocks are copied there
     if dense is not None:
         arrays.assign(out, dense if host else arrays.like(dense, out))
         return out
-    arrays.assign(out, 0)
+    if not fresh:
+        arrays.assign(out, 0)
     scatter = None
     if not host or (out.dtype == vals.dtype and out.flags.c_contiguous and
                     vals.dtype.kind == "f"):

@@ -164,13 +164,15 @@ def per_hop(t: Transport, x: Any, codec: Compressor, name: str, seeds: Seeds,
 
 def gathered(t: Transport, x: Any, codec: Compressor, sparse: bool, seeds: Seeds,
              ef: ResidualStore | None, key: str, scratch: Scratch | None = None,
-             src: Any = None) -> None:
+             src: Any = None) -> Any:
     """Every rank compresses ``x`` (+ its residual) once; the payloads are allgathered as
     one-part frames of the same size (no size exchange) and decoded-and-summed in rank
     order into ``x``. Sparse codecs send their (index, value) pairs through
-    :func:`~gradcomm.collectives.sparse_allgather.allreduce` instead. ``src``: the
-    values (``x``'s contents are then ignored): the (index, value) pairs are taken from
-    it where they lie, and on every other path it is copied into ``x`` first."""
+    :func:`~gradcomm.collectives.sparse_allgather.allreduce` instead. Returns the
+    result: ``x``, or with ``src`` (the values; ``x``'s contents are then ignored) on
+    the sparse route, a fresh array: the (index, value) pairs are taken from ``src``
+    where they lie and summed into zero pages, not into a filled ``x``. On every other
+    path ``src`` is copied into ``x`` first."""
     from ..collectives.allgather import allgatherv
 
     n = arrays.size(x)
@@ -189,27 +191,26 @@ def gathered(t: Transport, x: Any, codec: Compressor, sparse: bool, seeds: Seeds
             gather_pieces(t, codec, n, f.dtype, arrays.itemsize(x))
         if k > 1:
             pipeline.allgather(t, x, f, seeds, e, k, tally)
-            return
+            return x
         sig, g = (None, None) if sparse or f.device else \
             planned(t, codec, x, seeds, key, ef is not None)
         if g is not None:
             g.run(t, x, seeds.base[1], None, residual=e, tally=tally)
             if g.pieces_pay:                        # decided at one run, alike everywhere
                 t.state.plans[sig] = pieced_if_it_pays(t, g, seeds.base[0])
-            return
+            return x
         if sparse and pairs:
             payload = codec.compress(src if direct else x, seed=seeds.whole(),
                                      **({} if e is None else {"residual": e, "tally": tally}))
             _, _, idx, vals = codec.to_sparse(payload)
-            _sparse_sum(t, idx, vals, x)
-            return
+            return _sparse_sum(t, idx, vals, None if direct else x, n)
         frame, data = f.single(x, seeds.whole(), n, size, residual=e, tally=tally)
         if sparse:
             dec = f.floats(0, n)
             f.decode(data, dec)
             idx = _nonzero(dec)
             _sparse_sum(t, idx, dec[idx], x)
-            return
+            return x
     else:                       # a residual kept in pieces (the DDP hook's): step by step
         ef.compensate(key, x)
         frame, data = f.single(x, seeds.whole(), n, size)
@@ -219,7 +220,7 @@ def gathered(t: Transport, x: Any, codec: Compressor, sparse: bool, seeds: Seeds
         if sparse:
             idx = _nonzero(dec)
             _sparse_sum(t, idx, dec[idx], x)
-            return
+            return x
     landing = f.take(size * t.size)
     blocks = allgatherv(t, frame, sizes=np.full(t.size, size, np.int64), out=landing)
     payloads = []
@@ -233,6 +234,7 @@ def gathered(t: Transport, x: Any, codec: Compressor, sparse: bool, seeds: Seeds
         moved = arrays.like(landing, x)
         payloads = [pl.rebased(landing, moved) for pl in payloads]
     _decode_sum(f, payloads, x)
+    return x
 
 
 def planned(t: Transport, codec: Compressor, x: Any, seeds: Seeds, key: str,
@@ -264,12 +266,14 @@ def _nonzero(a: Any) -> Any:
     return xp.astype(xp.nonzero(a)[0], xp.int64)
 
 
-def _sparse_sum(t: Transport, idx: Any, vals: Any, x: Any) -> None:
-    """``x = Σ_ranks scatter(idx, vals)``: the pairs go through the host (they are few);
-    the result lands in ``x`` where it is."""
+def _sparse_sum(t: Transport, idx: Any, vals: Any, x: Any, n: int | None = None) -> Any:
+    """``x = Σ_ranks scatter(idx, vals)``, returned: the pairs go through the host (they
+    are few); the result lands in ``x`` where it is, or (``x`` None) in a fresh host
+    array of ``n`` elements."""
     from ..collectives.sparse_allgather import allreduce as sparse_allreduce
 
-    sparse_allreduce(t, arrays.host(idx), arrays.host(vals), arrays.size(x), out=x)
+    return sparse_allreduce(t, arrays.host(idx), arrays.host(vals),
+                            arrays.size(x) if x is not None else n, out=x)
 
 
 def _decode_sum(f: Frames, payloads: list[Payload], x: Any) -> None:
@@ -348,7 +352,10 @@ def _run(t: Transport, buf: Any, dtype: str, op: str, route: str, codec: Compres
         if route in HOP_ALGORITHMS:
             per_hop(t, x, codec, route, seeds, ef, key, scratch)
         else:
-            gathered(t, x, codec, route == "sparse_allgather", seeds, ef, key, scratch, src)
+            y = gathered(t, x, codec, route == "sparse_allgather", seeds, ef, key, scratch,
+                         src)
+            if y is not x:                  # a fresh result (from src: float32, sum)
+                return y
         if op == "mean" and not pre_divide:
             arrays.divide_(x, p)
         return _narrow(x, buf, dtype)

@@ -34,7 +34,9 @@ ring         Σ_{d≠r} chunks(m_d)     Σ_{d≠r} Σ_chunks F(chunk)           
 ===========  ======================  ==================================  ==========
 
 Both routes cut segments into the same chunks (:func:`ring_chunk`, about 2 MiB of
-payload), so a large segment streams in several messages on either.
+payload spanning at most 8 MiB of the buffer:
+:func:`~gradcomm.compressed.routes.span_bytes`), so a large segment streams in several
+messages on either.
 
 (:func:`wire_bytes` computes the bytes column exactly; the transport's counters must
 agree.) With error feedback the residual is one flat array over the *whole* local

@@ -3,8 +3,8 @@
 Rank r's shard is segment r of the buffer (:func:`~gradcomm.collectives.reduce_scatter.
 shard_bounds`). Every segment is cut into chunks of ``chunk`` elements
 (:func:`~gradcomm.collectives._segments.chunks`; the caller passes the compressed ring's
-chunk, about 2 MiB of payload, so large messages stream instead of travelling as one
-frame per peer). For chunk index j = 0, 1, ... every rank
+chunk, about 2 MiB of payload spanning at most 8 MiB of the buffer, so large messages
+stream instead of travelling as one frame per peer). For chunk index j = 0, 1, ... every rank
 
 1. encodes chunk j of each other rank's segment of its own buffer once (its
    error-feedback residual for that chunk fused into the codec's pass), into a frame

@@ -185,6 +185,68 @@ def test_hostile_peer_data_is_rejected() -> None:
     assert all("rank 0 sent indices" in r for r in run_ranks(2, unsorted))
 
 
+def test_indices_travel_as_16_bit_gaps_where_they_fit() -> None:
+    """A rank whose first index and gaps fit 16 bits sends 2 + 4 bytes a float32 pair,
+    one with a wider gap 4 + 4; either way the sums are exact and alike on every rank."""
+    n = 1 << 20
+    near = np.arange(7, n, 997)                      # gaps of 997
+    far = np.array([3, 70_000, 70_001, n - 1])       # a gap above 65535
+    cases = {"short": (near, near + 1), "wide": (near, far)}
+    for name, (i0, i1) in cases.items():
+        pairs = [(i0, np.linspace(1, 2, i0.size, dtype=np.float32)),
+                 (i1, np.linspace(-3, 5, i1.size, dtype=np.float32))]
+
+        def fn(t):
+            t.stats.reset()
+            out = sa.allreduce(t, *pairs[t.rank], n)
+            return out, t.stats.bytes_sent
+
+        res = run_ranks(2, fn)
+        want = np.zeros(n, np.float32)
+        for i, v in pairs:
+            want[i] += v
+        for r, (out, sent) in enumerate(res):
+            assert out.tobytes() == want.tobytes(), name
+            k = pairs[r][0].size
+            width = 2 if name == "short" or r == 0 else 4
+            assert k * (width + 4) <= sent <= k * (width + 4) + 400, (name, r, sent)
+
+
+def test_hostile_index_gaps_are_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bad announced width, 16-bit gaps that run past the dense length (under an
+    announced range inside it), or repeated indices, are a PayloadError on every rank."""
+    real = sa.allgather_ints
+    lie: dict[int, int] = {}                # field -> value rank 1 announces
+
+    def lying(t, values, **kw):
+        values = list(values)
+        if t.rank == 1:
+            for field, v in lie.items():
+                values[field] = v
+        return real(t, values, **kw)
+
+    monkeypatch.setattr(sa, "allgather_ints", lying)
+    n = 100_000
+
+    def fn(t, idx1):
+        idx = idx1 if t.rank == 1 else np.array([0, 5])
+        try:
+            sa._exchange(t, idx, np.ones(idx.size), n, mask=False)
+        except PayloadError as exc:
+            return str(exc)
+
+    lie.update({2: 3})
+    assert all("rank 1 announced index width 3" in r
+               for r in run_ranks(2, lambda t: fn(t, np.array([1, 4]))))
+    lie.clear()
+    lie.update({1: 100})                    # a range inside n; the gaps end at 120000
+    assert all("rank 1 sent indices" in r
+               for r in run_ranks(3, lambda t: fn(t, np.array([2, 60_000, 120_000]))))
+    lie.clear()
+    assert all("rank 1 sent indices" in r
+               for r in run_ranks(3, lambda t: fn(t, np.array([1, 1, 4]))))
+
+
 def test_merge() -> None:
     i, v = sa.merge(np.array([4, 1, 4, 4, 0]), np.array([1.0, 2.0, 3.0, 4.0, 5.0]))
     assert i.tolist() == [0, 1, 4] and v.tolist() == [5.0, 2.0, 8.0]

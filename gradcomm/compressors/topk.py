@@ -99,8 +99,9 @@ class KeepsK(Compressor):
                 x = residual
             else:
                 idx, v, header, buffers = self._keep(x, size(x), dtype_name(x), seed, out)
-            if residual is not None:
-                residual[idx] = residual[idx] - v
+            if residual is not None:         # e[idx] - v as e[idx] + (-v): the same bits
+                if _kernels.for_array(residual).scatter(residual, idx, -v, True):
+                    residual[idx] = residual[idx] - v       # (indices out of order)
                 add_tally(tally, residual)
         if decoded is not None:
             assign(decoded, 0)

@@ -60,18 +60,16 @@ DDP_VARIANTS = "ddp,torch-fp16,gc-fp16,gc-int8,gc-onebit,gc-topk:ratio=0.01"
 
 
 def compressor_specs(rate: str, requested: str | None) -> list[str]:
-    """The compressors to measure at ``rate`` (only those this install provides)."""
+    """The compressors to measure at ``rate`` (only those this install provides; an
+    interpreter without gradcomm is an ImportError, not an empty list)."""
+    from gradcomm import compressors
+
     if requested:
         specs = requested.split(",")
     else:
         specs = list(DENSE) + list(ALL_COMPRESSORS)
         specs += [k for k in TARGETS.get(rate, {}) if k != "*" and k not in specs]
-    try:
-        from gradcomm import compressors
-
-        have = set(compressors.names()) | {"none"}
-    except Exception:   # noqa: BLE001 - report what we can
-        have = {"none"}
+    have = set(compressors.names()) | {"none"}
     return [s for s in specs if s.split("@")[0].split(":")[0] in have]
 
 
@@ -159,7 +157,8 @@ def run_rate(rate: str, args: argparse.Namespace) -> dict[str, Any]:
         if not link_ok:
             print("   link check FAILED: no target can be called met at this rate", flush=True)
         if not specs:
-            print("   no compressor available yet: nothing to compare", flush=True)
+            out["incomplete"] = "no compressor to measure"
+            print(f"   {out['incomplete']}", flush=True)
             return out
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "bench.json")
@@ -179,7 +178,8 @@ def run_rate(rate: str, args: argparse.Namespace) -> dict[str, Any]:
                 out["bench_error"] = str(exc)
             out["bench_rc"] = rc
             if not os.path.exists(path):
-                print(f"   the benchmark wrote no results (exit {rc})", flush=True)
+                out["incomplete"] = f"the benchmark wrote no results (exit {rc})"
+                print(f"   {out['incomplete']}", flush=True)
                 return out
             with open(path) as f:
                 doc = json.load(f)
@@ -191,7 +191,8 @@ def run_rate(rate: str, args: argparse.Namespace) -> dict[str, Any]:
         print(f"   benchmark exit {rc} (#wrong {doc['summary'].get('wrong')}): no target "
               "can be called met", flush=True)
     if base is None or not base.get("avg_us"):
-        print("   no native baseline row in the benchmark output", flush=True)
+        out["incomplete"] = "no native baseline row in the benchmark output"
+        print(f"   {out['incomplete']}", flush=True)
         return out
     blink = (base.get("extra") or {}).get("link_pct")
     out["native_link_pct"] = blink
@@ -305,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     missed += [f"{r['rate']} link check" for r in results if not r.get("link_ok")]
     missed += [f"{r['rate']} benchmark exit {r['bench_rc']}" for r in results
                if r.get("bench_rc")]
+    missed += [f"{r['rate']} {r['incomplete']}" for r in results if r.get("incomplete")]
     print(f"# targets: {'all met' if not missed else 'MISSED: ' + ', '.join(missed)}; "
           f"load {os.getloadavg()[0]:.2f} on {os.cpu_count()} cpus")
     if args.json:

@@ -1,0 +1,51 @@
+"""bench/targets.py's verdict: a rate that measured nothing is never "all met"."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[2] / "bench" / "targets.py"
+
+
+@pytest.fixture()
+def targets():
+    spec = importlib.util.spec_from_file_location("gradcomm_bench_targets", _PATH)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    try:
+        spec.loader.exec_module(mod)
+        yield mod
+    finally:
+        del sys.modules[spec.name]
+
+
+@pytest.mark.parametrize("why", ["no compressor to measure",
+                                 "the benchmark wrote no results (exit 1)",
+                                 "no native baseline row in the benchmark output"])
+def test_an_incomplete_rate_is_missed(targets, why: str, monkeypatch, capsys) -> None:
+    monkeypatch.setattr(targets, "run_rate", lambda rate, args: {
+        "rate": rate, "rows": [], "link_ok": True, "bench_rc": 0, "incomplete": why})
+    assert targets.main(["--rates", "1gbit"]) == 1
+    out = capsys.readouterr().out
+    assert f"MISSED: 1gbit {why}" in out and "all met" not in out
+
+
+def test_a_complete_rate_with_met_rows_is_met(targets, monkeypatch, capsys) -> None:
+    monkeypatch.setattr(targets, "run_rate", lambda rate, args: {
+        "rate": rate, "rows": [{"compressor": "int8", "error_feedback": True, "met": True}],
+        "link_ok": True, "bench_rc": 0})
+    assert targets.main(["--rates", "1gbit"]) == 0
+    assert "all met" in capsys.readouterr().out
+
+
+def test_the_specs_need_gradcomm(targets, monkeypatch) -> None:
+    """No silent empty list when gradcomm does not import (the bench would not run)."""
+    assert targets.compressor_specs("1gbit", "none@ring,int8,bogus") == ["none@ring", "int8"]
+    monkeypatch.setitem(sys.modules, "gradcomm", None)
+    with pytest.raises(ImportError):
+        targets.compressor_specs("1gbit", "int8")

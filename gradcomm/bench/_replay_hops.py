@@ -334,8 +334,9 @@ def segment_codec(codec: Compressor, n: int) -> Compressor:
     return compressors.get(codec.name, ratio=min(1.0, k / n))
 
 
-def _chunk_elements(codec: Compressor, n: int, dt: np.dtype) -> int:
-    """Elements per pipelined message of the compressed ring and tree."""
+def chunk_elements(codec: Compressor, n: int, dt: np.dtype) -> int:
+    """Elements per pipelined message of the compressed ring and tree (and of both
+    compressed reduce-scatter routes)."""
     from ..compressed.routes import span_bytes
 
     return max(1, span_bytes(codec, n, dt.name) // dt.itemsize)
@@ -349,9 +350,9 @@ def per_hop(xs: list[np.ndarray], codec: Compressor, name: str, base: tuple[int,
     ranks = [_Rank(r, xs[r], codec, base, efs[r] if codec.lossy else None, key, parts)
              for r in range(p)]
     if name == "ring":
-        _ring(ranks, n, _chunk_elements(codec, n, xs[0].dtype))
+        _ring(ranks, n, chunk_elements(codec, n, xs[0].dtype))
     elif name == "tree":
-        _tree(ranks, n, _chunk_elements(codec, n, xs[0].dtype))
+        _tree(ranks, n, chunk_elements(codec, n, xs[0].dtype))
     elif name == "recursive_doubling":
         _recursive_doubling(ranks, n)
     else:

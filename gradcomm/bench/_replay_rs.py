@@ -37,17 +37,11 @@ from .. import compressors
 from ..compressors.base import Compressor, Payload
 from ..error_feedback import ErrorFeedback, contractive
 from ..errors import ConfigError
-from ._replay_hops import bounds, chunks, narrow, over_wire, rank_inputs, segment_codec, widen
+from ._replay_hops import (bounds, chunk_elements, chunks, narrow, over_wire, rank_inputs,
+                           segment_codec, widen)
 
 #: routes :func:`replay_reduce_scatter` reproduces
 RS_ROUTES = ("alltoall", "ring")
-
-
-def _chunk(codec: Compressor, n: int, dt: np.dtype) -> int:
-    """Elements per message of the compressed ring (``compressed.routes.span_bytes``)."""
-    from ..compressed.routes import span_bytes
-
-    return max(1, span_bytes(codec, n, dt.name) // dt.itemsize)
 
 
 class _Sender:
@@ -174,9 +168,9 @@ def replay_reduce_scatter(inputs: Sequence[np.ndarray], *, dtype: str, op: str =
     if p == 1 or n == 0:
         shards = [w.x[off[w.r]:off[w.r + 1]].copy() for w in ranks]
     elif route == "alltoall":
-        shards = _alltoall(ranks, off, _chunk(codec, n, x[0].dtype))
+        shards = _alltoall(ranks, off, chunk_elements(codec, n, x[0].dtype))
     else:
-        shards = _ring(ranks, off, _chunk(codec, n, x[0].dtype))
+        shards = _ring(ranks, off, chunk_elements(codec, n, x[0].dtype))
     if op == "mean" and not pre:
         for s in shards:
             np.divide(s, s.dtype.type(p), out=s)

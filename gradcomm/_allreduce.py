@@ -21,6 +21,7 @@ from .collectives import small
 from .compressors import _kernels
 from .comm import get_transport
 from .compressed.guard import DEFAULT_BOUND, Guard
+from .compressed.routes import reads_src
 from .errors import ConfigError
 
 
@@ -205,11 +206,10 @@ class Allreduce:
         self.guard = Guard(residual_bound) if guard and lossy and (
             self.error_feedback.enabled or self.compressor.name == "powersgd") else None
         self._transport: Any = None
-        #: whether the compressed route may read the input where it lies (the sparse
-        #: gathered route of a sum): then no copy, and the guard's norm is a pass alone
-        self._reads_src = bool(self.compressor is not None and self.compressor.sparse_pairs
-                               and op == "sum"
-                               and algorithm in ("auto", "sparse_allgather"))
+        #: whether the compressed route may read the input where it lies: then no copy,
+        #: and the guard's norm is a pass alone
+        self._reads_src = self.compressor is not None and reads_src(self.compressor, op,
+                                                                    algorithm)
 
     @property
     def transport(self) -> Any:

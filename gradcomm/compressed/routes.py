@@ -308,13 +308,26 @@ def run(t: Transport, buf: Any, dtype: str, op: str, route: str, codec: Compress
     :func:`feeds_back` does; None: decided here). ``src``: the values to reduce, read
     where they lie (host float32 on the sparse gathered route), else first copied into
     ``buf``; None: ``buf`` holds them."""
-    if src is not None and not (route == "sparse_allgather" and dtype == "float32"
-                                and op == "sum" and codec.sparse_pairs
+    if src is not None and not (reads_src(codec, op, route) and dtype == "float32"
                                 and t.size > 1 and arrays.size(buf)):
         arrays.assign(buf, src)
         src = None
     with arrays.device_scope(buf):         # cupy: kernels and new arrays on buf's device
         return _run(t, buf, dtype, op, route, codec, seed, step, ef, key, feedback, src)
+
+
+def reads_src(codec: Compressor, op: str, route: str) -> bool:
+    """Whether a host float32 ``op`` through ``codec`` on ``route`` (``auto``: the one
+    it may take) can read its values where they lie (:func:`run`'s ``src``): the sparse
+    gathered route's pairs of a sum, taken straight from the input.
+
+    Example:
+        >>> from gradcomm import compressors
+        >>> topk = compressors.get("topk", ratio=0.01)
+        >>> reads_src(topk, "sum", "auto"), reads_src(topk, "mean", "auto")
+        (True, False)
+    """
+    return op == "sum" and codec.sparse_pairs and route in ("auto", "sparse_allgather")
 
 
 def feeds_back(t: Transport, route: str, codec: Compressor, ef: ResidualStore | None

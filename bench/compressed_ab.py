@@ -20,9 +20,8 @@ guard's cost, and ``pipe=0|1`` sets ``GRADCOMM_PIPELINE`` for that variant's cal
 (the pipelined compressed ring off or forced), and ``chunk=BYTES`` sets
 ``gradcomm.compressed.routes.CHUNK_BYTES`` (the compressed message of the per-hop ring
 and tree) and ``span=BYTES`` its ``MAX_SPAN_BYTES`` (the most dense bytes one message
-covers) likewise. float32 sum of Gaussian data; other
-settings (and ``GRADCOMM_PIPELINE`` for variants without ``pipe=``) come from the
-environment.
+covers) likewise. float32 sum of Gaussian data; other settings (and
+``GRADCOMM_PIPELINE`` for variants without ``pipe=``) come from the environment.
 """
 
 from __future__ import annotations
@@ -86,7 +85,7 @@ def main() -> None:
             return call
         routes = mod.compressed.routes
 
-        def piped() -> Any:
+        def patched() -> Any:
             old, old_chunk = os.environ.get("GRADCOMM_PIPELINE"), routes.CHUNK_BYTES
             old_span = routes.MAX_SPAN_BYTES
             if span is not None:
@@ -103,7 +102,7 @@ def main() -> None:
                     os.environ.pop("GRADCOMM_PIPELINE", None)
                 else:
                     os.environ["GRADCOMM_PIPELINE"] = old
-        return piped
+        return patched
 
     calls = [parse(s) for s in args.variants]
     for call in calls:

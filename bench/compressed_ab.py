@@ -77,6 +77,8 @@ def main() -> None:
         if opts.pop("ef", 0):
             ar = mod.Allreduce(comm, op="sum", algorithm=alg, compressor=comp,
                                error_feedback=True, guard=bool(opts.pop("guard", 1)), **opts)
+            assert type(ar).__module__.startswith(mod.__name__ + "."), \
+                f"{spec}: {type(ar).__module__} is not {pkg}'s code"
             call = lambda: ar(x, key="x")  # noqa: E731
         else:
             call = lambda: mod.allreduce(  # noqa: E731

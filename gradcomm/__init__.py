@@ -21,19 +21,21 @@ from .errors import GradcommError
 
 __version__ = "0.1.0"
 
+# relative to this package, so a copy of it under another name (bench/compressed_ab.py's
+# baseline) resolves these in the copy, not in the installed gradcomm
 _LAZY = {
-    "Allreduce": "gradcomm._allreduce",
-    "sparse_allgather": "gradcomm.collectives.sparse_allgather",
-    "gossip_average": "gradcomm.collectives.gossip",
-    "Gossip": "gradcomm.collectives.gossip",
-    "ErrorFeedback": "gradcomm.error_feedback",
-    "reduce_scatter": "gradcomm.compressed.reduce_scatter",
+    "Allreduce": "._allreduce",
+    "sparse_allgather": ".collectives.sparse_allgather",
+    "gossip_average": ".collectives.gossip",
+    "Gossip": ".collectives.gossip",
+    "ErrorFeedback": ".error_feedback",
+    "reduce_scatter": ".compressed.reduce_scatter",
 }
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
     raise AttributeError(f"module 'gradcomm' has no attribute {name!r}")
 
 

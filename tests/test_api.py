@@ -339,3 +339,24 @@ def test_sparse_allgather_without_compressor_sends_the_nonzeros():
 
     for r in run_ranks(3, fn, timeout=30):
         assert r == [1.0, 1.0, 1.0] + [0.0] * 7
+
+
+def test_a_renamed_copy_of_the_package_resolves_its_lazy_names_in_itself(tmp_path) -> None:
+    """``gradcomm.Allreduce`` and the other lazily imported names come from the package
+    they are asked of: a copy under another name (bench/compressed_ab.py's baseline)
+    must not hand out the installed gradcomm's classes, or an A/B of the stateful
+    ``Allreduce`` times the new code twice."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    shutil.copytree(Path(gradcomm.__file__).parent, tmp_path / "gradcomm_copy",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    names = ["Allreduce", "sparse_allgather", "gossip_average", "Gossip", "ErrorFeedback",
+             "reduce_scatter"]
+    code = ("import gradcomm_copy as g\n"
+            f"print(all(getattr(g, n).__module__.startswith('gradcomm_copy.') for n in {names}))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120)
+    assert out.stdout.strip() == "True", out.stdout + out.stderr

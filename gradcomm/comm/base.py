@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
 from ..errors import ConfigError, DeadlineError, TransportError
+from . import background
 from ._train import train
 from .state import NATIVE_BELOW, TransportState
 
@@ -278,12 +279,14 @@ def poll(requests: Sequence[Request], deadline: float, on_expiry: Any) -> None:
     :data:`SPIN_SECONDS` (small messages arrive within it), then yield the CPU between
     tests until :data:`YIELD_SECONDS`, then sleep an eighth of the time waited so far
     (at most :data:`MAX_SLEEP_SECONDS`), so a late message costs at most ~1/8 more than
-    its wait and an idle rank stays off the CPU.
+    its wait and an idle rank stays off the CPU. After the spin, slices of the calling
+    thread's :mod:`~gradcomm.comm.background` work, if any, run between tests instead.
     """
     pending = [r for r in requests if not r.test()]
     if not pending:
         return
     start = time.monotonic()
+    work = background.pending()
     while True:
         pending = [r for r in pending if not r.test()]
         if not pending:
@@ -294,6 +297,9 @@ def poll(requests: Sequence[Request], deadline: float, on_expiry: Any) -> None:
             continue
         if now > deadline:
             raise on_expiry()
+        if work and background.step():
+            continue
+        work = False
         if waited < YIELD_SECONDS:
             _yield()
         else:

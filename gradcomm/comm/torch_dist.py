@@ -35,6 +35,7 @@ from datetime import timedelta
 from typing import Any, Sequence
 
 from .. import arrays
+from . import background
 from ..errors import ConfigError, DeadlineError, TransportError, UnsupportedError
 from .base import DEFAULT_TIMEOUT, NETWORK_MAX_CHUNK, Request, Transport
 
@@ -128,6 +129,9 @@ class TorchTransport(Transport):
         """Wait for each request with the time left before the deadline."""
         limit = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
+        if any(isinstance(r, _Work) and not r.done for r in requests):
+            while background.step():        # gloo moves the bytes on its own threads
+                pass
         for i, r in enumerate(requests):
             if not isinstance(r, _Work):
                 raise TransportError(f"rank {self.rank}: not a torch transport request: {r!r}")

@@ -1,0 +1,95 @@
+"""Work a rank does while it waits for the wire.
+
+A rank that has sent its part and waits for its peers' has the CPU to spare. A caller
+that has work which does not depend on the messages in flight (a norm of the input, the
+first touch of a result's pages) hands it to :func:`background` as :class:`Job` objects;
+every transport wait inside the ``with`` block then runs their slices while its requests
+are pending: MPI between tests (its TCP transfers advance only inside the library's
+calls, so a slice is short), gloo and the in-process threads before they block (their
+transfers advance without the waiting rank). Required jobs left over when the block
+ends run then, so their results are complete after it; optional ones are dropped.
+
+The jobs belong to the calling thread (a context variable), so the DDP hook's worker and
+the training thread never run each other's.
+
+Example:
+    >>> import numpy as np
+    >>> from gradcomm.comm import run_ranks
+    >>> from gradcomm.comm.background import Job, background
+    >>> class Count(Job):
+    ...     def __init__(self):
+    ...         self.left = 3
+    ...     def step(self):                  # one slice; True while work remains
+    ...         self.left -= 1
+    ...         return self.left > 0
+    >>> def fn(t):
+    ...     job = Count()
+    ...     with background(job):
+    ...         t.barrier()                  # its waits may run slices of the job
+    ...     return job.left                  # and what they left ran at the end
+    >>> run_ranks(2, fn)
+    [0, 0]
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Iterator
+
+
+class Job(ABC):
+    """Work in slices, each short (tens of µs): a wait tests its requests between them."""
+
+    #: whether what is left runs when the :func:`background` block ends (else dropped)
+    required: bool = True
+    #: set once :meth:`step` returned False
+    done: bool = False
+
+    @abstractmethod
+    def step(self) -> bool:
+        """Do one slice; True while work remains."""
+
+    def finish(self) -> None:
+        """Do what is left."""
+        while not self.done:
+            self.done = not self.step()
+
+
+_jobs: ContextVar[tuple[Job, ...]] = ContextVar("gradcomm_background", default=())
+
+
+@contextmanager
+def background(*jobs: Job | None) -> Iterator[None]:
+    """Let the transport waits inside the block run ``jobs`` (None entries are skipped),
+    after those of an enclosing block; on a normal exit, finish the required ones."""
+    mine = tuple(j for j in jobs if j is not None)
+    if not mine:
+        yield
+        return
+    token = _jobs.set(_jobs.get() + mine)
+    try:
+        yield
+    finally:
+        _jobs.reset(token)
+    for j in mine:                   # (not after an exception: the result is abandoned)
+        if j.required:
+            j.finish()
+
+
+def pending() -> bool:
+    """Whether this thread has background work left (a cheap test for the waits)."""
+    return any(not j.done for j in _jobs.get())
+
+
+def step() -> bool:
+    """Run one slice of this thread's first unfinished job; False if none was left."""
+    for j in _jobs.get():
+        if not j.done:
+            j.done = not j.step()
+            return True
+    return False
+
+
+__all__ = ["Job", "background", "pending", "step"]

@@ -20,7 +20,8 @@ from ._plan import Reduction
 from .collectives import small
 from .compressors import _kernels
 from .comm import get_transport
-from .compressed.guard import DEFAULT_BOUND, Guard
+from .comm.background import background
+from .compressed.guard import DEFAULT_BOUND, Guard, SqNorm
 from .compressed.routes import reads_src
 from .errors import ConfigError
 
@@ -234,16 +235,23 @@ class Allreduce:
             buf, meta = self.plan.flat(x, t)
         compressed = self.plan.compresses(meta.dtype)  # (a sparse gradient may go
         guard = self.guard if compressed else None      # uncompressed through
-        if guard is not None:                           # sparse_allgather)
-            guard.observe(key, buf if src is None else src, g2)
+        norm = None                                     # sparse_allgather)
+        if guard is not None:
+            if src is not None:         # the input stays as it is: its norm may be taken
+                norm = SqNorm.over(src)                 # while the ranks wait
+            if norm is None:
+                guard.observe(key, buf if src is None else src, g2)
             ef.tally = np.zeros(2)      # the codecs add their residuals' norms in their pass
         try:
-            buf = self.plan.run(t, buf, meta.dtype, meta=meta,
-                                residuals=ef if compressed else None,
-                                key=key if compressed else None, src=src)
+            with background(norm):
+                buf = self.plan.run(t, buf, meta.dtype, meta=meta,
+                                    residuals=ef if compressed else None,
+                                    key=key if compressed else None, src=src)
             tally, ef.tally = ef.tally, None
         finally:
             ef.tally = None
+        if norm is not None and guard is not None:
+            guard.observe(key, src, norm.value())
         if not compressed:
             ef.advance(key)
         elif guard is not None:

@@ -41,6 +41,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from ..comm.background import Job
 from ..comm.base import Transport
 from ..errors import ConfigError
 
@@ -157,6 +158,51 @@ def _host_norms(n: int) -> Any:
     except ImportError:                 # pragma: no cover - numba is the fast extra
         return _numpy
     return _numba
+
+
+class SqNorm(Job):
+    """:func:`sq_norm` of a host float array, in slices a transport wait may run
+    (:func:`~gradcomm.comm.background.background`): the same bits, the same kernel.
+
+    Example:
+        >>> a = np.arange(1000, dtype=np.float32)
+        >>> job = SqNorm.over(a, slice_elements=128)
+        >>> while job.step():           # what a wait would do between its tests
+        ...     pass
+        >>> job.value() == sq_norm(a)
+        True
+    """
+
+    #: elements per slice (a multiple of 64: the lanes stay aligned), tens of µs each
+    SLICE = 1 << 16
+
+    def __init__(self, a: np.ndarray, slice_elements: int = SLICE) -> None:
+        self.a, self.at = a.reshape(-1), 0
+        self.size = slice_elements
+        self.kernels = _host_norms(a.size)
+        self.acc = np.zeros(64)
+
+    @classmethod
+    def over(cls, a: Any, slice_elements: int = SLICE) -> SqNorm | None:
+        """The job for ``a``, or None where :func:`sq_norm` takes another path (not a
+        contiguous float32 / float64 numpy array: a device array, 16-bit floats)."""
+        if not (isinstance(a, np.ndarray) and a.dtype in (np.float32, np.float64)
+                and a.flags.c_contiguous):
+            return None
+        assert slice_elements % 64 == 0, "slices keep element i in lane i % 64"
+        return cls(a, slice_elements)
+
+    def step(self) -> bool:
+        end = min(self.at + self.size, self.a.size)
+        self.acc = self.kernels.sq_lanes(self.a[self.at:end], self.acc)
+        self.at = end
+        return end < self.a.size
+
+    def value(self) -> float:
+        """The norm (what is left computed now)."""
+        from ..compressors._kernels._numpy import fold_lanes
+        self.finish()
+        return fold_lanes(self.acc)
 
 
 class Guard:
@@ -277,4 +323,4 @@ class Guard:
 
 
 __all__ = ["AGREED", "Agreement", "DEFAULT_BOUND", "FULL_CLIP_RATIO", "Guard", "GuardWarning",
-           "agreement", "check_bound", "default_clip", "sq_norm"]
+           "SqNorm", "agreement", "check_bound", "default_clip", "sq_norm"]

@@ -40,6 +40,7 @@ from .. import arrays, compressors
 from ..collectives import algorithm
 from ..ops import Reducer
 from ..collectives.costmodel import link_bound as _profile_link_bound
+from ..comm.background import background
 from ..comm.base import Transport
 from ..compressors.base import Compressor, Payload
 from ..error_feedback import ResidualStore, contractive
@@ -47,6 +48,7 @@ from ..errors import PayloadError
 from . import pipeline, ring
 from ._args import HOP_ALGORITHMS
 from .frames import Frames, max_nbytes
+from .guard import SqNorm
 from .planned import PlannedGather, plan_gather
 from .planned_pipeline import PipelinedGather, pieced_if_it_pays
 from .seeds import Seeds
@@ -200,10 +202,17 @@ def gathered(t: Transport, x: Any, codec: Compressor, sparse: bool, seeds: Seeds
                 t.state.plans[sig] = pieced_if_it_pays(t, g, seeds.base[0])
             return x
         if sparse and pairs:
-            payload = codec.compress(src if direct else x, seed=seeds.whole(),
-                                     **({} if e is None else {"residual": e, "tally": tally}))
+            # the tally's norm of the new residual (a pass of its own for these codecs)
+            # is taken while the pairs are on the wire: the same sum, added after
+            later = None if e is None or tally is None else SqNorm.over(e)
+            payload = codec.compress(src if direct else x, seed=seeds.whole(), **(
+                {} if e is None else {"residual": e, "tally": None if later else tally}))
             _, _, idx, vals = codec.to_sparse(payload)
-            return _sparse_sum(t, idx, vals, None if direct else x, n)
+            with background(later):
+                out = _sparse_sum(t, idx, vals, None if direct else x, n)
+            if later is not None:
+                tally += (later.value(), n)
+            return out
         frame, data = f.single(x, seeds.whole(), n, size, residual=e, tally=tally)
         if sparse:
             dec = f.floats(0, n)

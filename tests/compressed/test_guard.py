@@ -179,3 +179,63 @@ def test_a_residual_past_the_bound_resets_on_the_fused_path(monkeypatch):
                                    bad=1e12):
         assert stats["guard_over_bound"] == 1, stats
         assert all(e2 is not None for e2, _ in seen)
+
+
+@pytest.mark.parametrize("n", [0, 1, 63, 64, 65, 1000, (1 << 16) + 77, 300_001])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("slice_elements", [64, 192, 1 << 16])
+def test_the_sliced_norm_is_sq_norm_bit_for_bit(n, dtype, slice_elements):
+    """SqNorm (the norm a transport wait takes in slices) gives sq_norm's bits on both
+    host kernel paths (numpy below FAST_MIN elements, numba from it), for any slicing, a
+    NaN and an inf included; where sq_norm takes another path it is not offered."""
+    from gradcomm.compressed.guard import SqNorm
+
+    rng = np.random.default_rng(n)
+    a = (rng.standard_normal(n) * np.exp(rng.standard_normal(n) * 4)).astype(dtype)
+    for poison in (None, np.nan, np.inf):
+        b = a.copy()
+        if poison is not None and n:
+            b[n // 2] = poison
+        job = SqNorm.over(b, slice_elements)
+        steps = 0
+        while job.step():
+            steps += 1
+        want = sq_norm(b)
+        assert steps == max(0, -(-n // slice_elements) - 1)
+        got = job.value()
+        assert np.array(got).tobytes() == np.array(want).tobytes(), (got, want)
+        alone = SqNorm.over(b, slice_elements).value()     # no slice run before
+        assert np.array(alone).tobytes() == np.array(want).tobytes(), (alone, want)
+    assert SqNorm.over(np.zeros(3, np.float16)) is None
+    assert SqNorm.over(np.zeros((4, 4), dtype).T) is None
+
+
+def test_a_deferred_norm_gives_the_guard_the_same_state():
+    """gradcomm.Allreduce on the sparse route takes the input's norm and the tally of the
+    residual while the pairs are exchanged: the guard's scale is each step's exact
+    sq_norm of the input, and its tally the residual's exact sq_norm."""
+    from gradcomm.compressed import routes
+
+    n = 3 * 70001
+    seen = []
+    check = Guard.check
+
+    def spy(self, t, key, residuals, out, **kw):
+        seen.append((kw.get("e2"), sq_norm(residuals[0])))
+        return check(self, t, key, residuals, out, **kw)
+
+    def fn(t):
+        ar = gradcomm.Allreduce(t, op="sum", compressor="topk", ratio=0.01)
+        inputs = [np.random.default_rng([t.rank, s]).standard_normal(n).astype(np.float32)
+                  for s in range(3)]
+        for x in inputs:
+            ar(x, key="w")
+        return ar.guard._scale["w"] == max(sq_norm(x) for x in inputs)
+
+    Guard.check = spy
+    try:
+        assert run_ranks(2, fn) == [True, True]
+    finally:
+        Guard.check = check
+    assert routes.reads_src(gradcomm.compressors.get("topk", ratio=0.01), "sum", "auto")
+    assert len(seen) == 6 and all(e2 == want for e2, want in seen), seen

@@ -994,6 +994,16 @@ def sq_norm(a):
     return fold_lanes(acc)
 
 
+def sq_lanes(a, acc):
+    """:func:`._numpy.sq_lanes` (float32 / float64 arrays here; others there)."""
+    from ._numpy import sq_lanes as reference
+    a = a.reshape(-1)
+    if a.dtype not in (np.float32, np.float64) or not a.flags.c_contiguous:
+        return reference(a, acc)
+    _sq_lanes(a, acc)
+    return acc
+
+
 def copy_sq_norm(src, dst):
     """``dst[...] = src`` and its :func:`sq_norm` in one pass (flat float32 / float64)."""
     from ._numpy import copy_sq_norm as reference, fold_lanes

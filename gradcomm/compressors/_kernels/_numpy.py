@@ -589,14 +589,22 @@ def fold_lanes(acc: np.ndarray) -> float:
     return float(acc[0])
 
 
-@_quiet
 def sq_norm(a: np.ndarray) -> float:
     """``sum(a * a)`` of a flat float array in float64, in the 64-lane order (NaN or inf
     if ``a`` holds one)."""
+    acc = np.zeros(LANES)
+    return fold_lanes(sq_lanes(a, acc))
+
+
+@_quiet
+def sq_lanes(a: np.ndarray, acc: np.ndarray) -> np.ndarray:
+    """The lanes of :func:`sq_norm`: ``a``'s squares added to the float64[64] lane sums
+    ``acc``, element ``i`` into lane ``i % 64``; returns the new sums (``acc`` may be
+    replaced). A long array may come in slices, in order: the same sums if each but the
+    last holds a multiple of 64 elements."""
     a = a.reshape(-1)
     n = a.size
     full = n // LANES
-    acc = np.zeros(LANES)
     if full:
         rows = a[:full * LANES].reshape(full, LANES)
         tmp = np.empty((min(_NORM_ROWS, full) + 1, LANES))
@@ -609,7 +617,7 @@ def sq_norm(a: np.ndarray) -> float:
     if n > full * LANES:
         tail = a[full * LANES:].astype(np.float64)
         acc[:tail.size] += tail * tail
-    return fold_lanes(acc)
+    return acc
 
 
 def copy_sq_norm(src: np.ndarray, dst: np.ndarray) -> float:

@@ -22,7 +22,6 @@ from .compressors import _kernels
 from .comm import get_transport
 from .comm.background import background
 from .compressed.guard import DEFAULT_BOUND, Guard, SqNorm
-from .compressed.routes import reads_src
 from .errors import ConfigError
 
 
@@ -207,10 +206,6 @@ class Allreduce:
         self.guard = Guard(residual_bound) if guard and lossy and (
             self.error_feedback.enabled or self.compressor.name == "powersgd") else None
         self._transport: Any = None
-        #: whether the compressed route may read the input where it lies: then no copy,
-        #: and the guard's norm is a pass alone
-        self._reads_src = self.compressor is not None and reads_src(self.compressor, op,
-                                                                    algorithm)
 
     @property
     def transport(self) -> Any:
@@ -224,13 +219,13 @@ class Allreduce:
         t = self.transport
         ef = self.error_feedback
         g2 = src = None
-        if self.guard is not None and not self._reads_src and type(x) is np.ndarray \
-                and x.dtype == np.float32 and x.flags.c_contiguous:
+        if (got := self.plan.views(x, t)) is not None:    # read where it lies (a route
+            src, buf, meta = got                          # that cannot copies it in)
+        elif self.guard is not None and type(x) is np.ndarray and \
+                x.dtype == np.float32 and x.flags.c_contiguous:
             buf = np.empty(x.size, np.float32)      # the copy and the guard's input norm
             g2 = _kernels.for_size(x.size).copy_sq_norm(x.reshape(-1), buf)    # in one
             meta = arrays.backend(x).meta(x)                                   # pass
-        elif (got := self.plan.views(x, t)) is not None:    # read where it lies
-            src, buf, meta = got
         else:
             buf, meta = self.plan.flat(x, t)
         compressed = self.plan.compresses(meta.dtype)  # (a sparse gradient may go

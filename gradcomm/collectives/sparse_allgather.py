@@ -43,7 +43,7 @@ import numpy as np
 from .. import arrays
 from .._dtypes import bf16_to_f32, f32_to_bf16
 from ..comm import get_transport
-from ..comm.background import Job, background
+from ..comm.background import Prefault, background
 from ..comm.base import Transport
 from ..errors import ConfigError, GradcommError, PayloadError
 from ._check import agree_args
@@ -72,35 +72,6 @@ def merge(indices: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarr
     idx, val = indices[order], values[order]
     starts = np.flatnonzero(np.concatenate([[True], idx[1:] != idx[:-1]]))
     return idx[starts], np.add.reduceat(val, starts)
-
-
-class Prefault(Job):
-    """The first touch of a fresh array's pages (the kernel maps and zeroes each on its
-    first write), a stretch per slice; optional: a wait that ends first leaves the rest
-    to the writes that follow.
-
-    Example:
-        >>> a = np.zeros(1 << 20, np.float32)
-        >>> job = Prefault(a)
-        >>> while job.step():
-        ...     pass
-        >>> int(np.count_nonzero(a))            # zeros written over zeros
-        0
-    """
-
-    required = False
-    #: bytes per slice: one transparent huge page
-    SLICE = 2 << 20
-
-    def __init__(self, a: np.ndarray) -> None:
-        self.bytes = a.reshape(-1).view(np.uint8)
-        self.at = 0
-
-    def step(self) -> bool:
-        end = min(self.at + self.SLICE, self.bytes.size)
-        self.bytes[self.at:end:4096] = 0          # a write per 4 KiB page
-        self.at = end
-        return end < self.bytes.size
 
 
 def _dense_factor(t: Transport, nbytes: int) -> int:
@@ -279,4 +250,4 @@ def sparse_allgather(indices: Any, values: Any, comm: Any = None, *, size: int |
             arrays.from_flat(out_v, arrays.Meta(vmeta.kind, vmeta.dtype, (m,), vmeta.device)))
 
 
-__all__ = ["Prefault", "allreduce", "merge", "sparse_allgather"]
+__all__ = ["allreduce", "merge", "sparse_allgather"]

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from ..collectives.allgather import allgatherv
+from ..comm.background import Prefault, background
 from ..comm.base import Transport
 from ..compressors.base import CodecPlan, Compressor, Payload
 from ..error_feedback import ResidualStore
@@ -88,13 +89,14 @@ class PlannedGather:
         return {name: frame[o:o + c * dt.itemsize].view(dt) for name, dt, o, c in self.bufs}
 
     def write(self, frame: np.ndarray, x: np.ndarray, step: int,
-              residual: np.ndarray | None = None, tally: np.ndarray | None = None
-              ) -> dict[str, np.ndarray]:
+              residual: np.ndarray | None = None, tally: np.ndarray | None = None,
+              scratch: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """Frame ``x`` (seeded by ``step``) into ``frame``; returns its buffers' views.
         With ``residual``, ``x + residual`` is framed and ``residual`` left holding what
         the codec lost, its norm added to ``tally``: in the codec's fused pass where the
         plan :attr:`~CodecPlan.fuses`, else step by step here (the same bytes, as
-        :func:`~gradcomm.compressors.base.compose`; ``x`` is scratch afterwards)."""
+        :func:`~gradcomm.compressors.base.compose`, decoding into ``scratch``, default
+        ``x``, which is scratch afterwards). ``x`` is only read otherwise."""
         frame[:self.head] = self.prefix
         frame[self.end:] = 0
         views = self._views(frame)
@@ -105,11 +107,12 @@ class PlannedGather:
         if residual is None or self.cplan.fuses:
             self.cplan.encode(x, seed, views, residual, tally)
             return views
+        out = x if scratch is None else scratch
         with np.errstate(invalid="ignore", over="ignore"):   # the fused pass's steps:
             residual += x                                   # (compressors.base.compose)
             self.cplan.encode(residual, seed, views)
-            self.cplan.decode(views, x, False)              # x is scratch now
-            residual -= x
+            self.cplan.decode(views, out, False)            # out is scratch now
+            residual -= out
         if tally is not None:
             tally[0] += sq_norm(residual)
             tally[1] += residual.size
@@ -117,7 +120,8 @@ class PlannedGather:
 
     def run(self, t: Transport, x: np.ndarray, step: int, ef: ResidualStore | None, *,
             guard: Guard | None = None, residual: np.ndarray | None = None,
-            tally: np.ndarray | None = None) -> tuple[np.ndarray, str | None]:
+            tally: np.ndarray | None = None, src: np.ndarray | None = None
+            ) -> tuple[np.ndarray, str | None]:
         """``x = Σ_ranks x`` (flat float32 host ``x`` of the planned count, in place)
         through the codec, with ``ef``'s residual of the key when the plan feeds back;
         returns ``x`` and the divergence guard's decision (None: no ``guard``, or nothing
@@ -135,18 +139,25 @@ class PlannedGather:
         decodes all of them in rank order, so it holds the same flags and the same result
         as the others: ``guard`` (without ``clip``) decides on every rank alike with no
         message of its own (``guard.settle``; the input's norm is what ``guard.observe``
-        recorded)."""
+        recorded).
+
+        ``src``: the values, read where they lie (not modified; ``x``'s contents are then
+        ignored: a fresh buffer's pages are mapped in while the frames travel)."""
         ef = ef if self.feedback and ef is not None and ef.enabled else None
         assert residual is None or self.feedback, "a residual for a plan without feedback"
         n, size, run = self.n, self.size, self.runs
         if tally is None and guard is not None:
             tally = np.zeros(2)
         with session(t) as scratch:
+            if src is not None and ef is not None and residual is None:
+                np.copyto(x, src)                   # the store compensates x in place
+                src = None
             if ef is not None and residual is None:
                 ef.compensate(self.key, x)
             frame = scratch.arena.take(size + FLAGS)
             began = time.perf_counter()
-            views = self.write(frame, x, step, residual, tally)
+            views = self.write(frame, x if src is None else src, step, residual, tally,
+                               scratch=x)
             if ef is not None and residual is None:
                 dec = scratch.floats(0, n, np.float32)
                 self.cplan.decode(views, dec, False)
@@ -155,8 +166,9 @@ class PlannedGather:
                             run == VOTE_AT and self.spent[0] > self.spent[1])
             landing = scratch.arena.take((size + FLAGS) * t.size)
             sent = time.perf_counter()
-            blocks = allgatherv(t, frame, sizes=np.full(t.size, size + FLAGS, np.int64),
-                                out=landing)
+            with background(None if src is None else Prefault(x)):
+                blocks = allgatherv(t, frame, sizes=np.full(t.size, size + FLAGS, np.int64),
+                                    out=landing)
             arrived = time.perf_counter()
             self.sum_frames([b[:size] for b in blocks], x, scratch)
             if 0 < run < VOTE_AT:

@@ -65,14 +65,20 @@ class PipelinedGather:
 
     def run(self, t: Transport, x: np.ndarray, step: int, ef: ResidualStore | None, *,
             guard: Guard | None = None, residual: np.ndarray | None = None,
-            tally: np.ndarray | None = None) -> tuple[np.ndarray, str | None]:
+            tally: np.ndarray | None = None, src: np.ndarray | None = None
+            ) -> tuple[np.ndarray, str | None]:
         """:meth:`PlannedGather.run <gradcomm.compressed.planned.PlannedGather.run>`, piece
-        by piece (same arguments, same bytes). Without ``residual`` but with ``ef`` (its
+        by piece (same arguments, same bytes; each piece of ``src`` is encoded where it
+        lies and the sum decoded into ``x``). Without ``residual`` but with ``ef`` (its
         update needs all of the input) the pieces are still sent as they are encoded, and
         decoded once the last one is."""
         ef = ef if self.feedback and ef is not None and ef.enabled else None
         assert residual is None or self.feedback, "a residual for a plan without feedback"
         update = ef is not None and residual is None
+        if src is not None and update:
+            np.copyto(x, src)                       # the store compensates x in place
+            src = None
+        values = x if src is None else src
         p, me, n = t.size, t.rank, self.n
         peers = [r for r in range(p) if r != me]
         sizes = [g.size + (FLAGS if i == len(self.pieces) - 1 else 0)
@@ -111,8 +117,9 @@ class PipelinedGather:
 
             for i, (lo, hi, g) in enumerate(self.pieces):
                 mine = frame(i, me)
-                views = g.write(mine[:g.size], x[lo:hi], step,
-                                None if residual is None else residual[lo:hi], tally)
+                views = g.write(mine[:g.size], values[lo:hi], step,
+                                None if residual is None else residual[lo:hi], tally,
+                                scratch=x[lo:hi])
                 if update:
                     g.cplan.decode(views, dec[lo:hi], False)
                 if i == len(self.pieces) - 1:

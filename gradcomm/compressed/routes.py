@@ -173,8 +173,9 @@ def gathered(t: Transport, x: Any, codec: Compressor, sparse: bool, seeds: Seeds
     :func:`~gradcomm.collectives.sparse_allgather.allreduce` instead. Returns the
     result: ``x``, or with ``src`` (the values; ``x``'s contents are then ignored) on
     the sparse route, a fresh array: the (index, value) pairs are taken from ``src``
-    where they lie and summed into zero pages, not into a filled ``x``. On every other
-    path ``src`` is copied into ``x`` first."""
+    where they lie and summed into zero pages, not into a filled ``x``. The planned
+    route (:class:`~.planned.PlannedGather`) encodes ``src`` where it lies too and
+    decodes the sum into ``x``; every other path copies ``src`` into ``x`` first."""
     from ..collectives.allgather import allgatherv
 
     n = arrays.size(x)
@@ -183,21 +184,26 @@ def gathered(t: Transport, x: Any, codec: Compressor, sparse: bool, seeds: Seeds
     size = f.bound(n)
     e = ef.flat_residual(key, n, f.dtype, like=x) if ef is not None and f.fused else None
     tally = None if e is None else ef.tally
-    direct = src is not None and sparse and pairs and (ef is None or e is not None)
-    if src is not None and not direct:
-        arrays.assign(x, src)
+    if src is not None and not (ef is None or e is not None):
+        arrays.assign(x, src)               # (the compensate path below adds to x)
+        src = None
+    direct = src is not None and sparse and pairs
     if ef is None or e is not None:
         # the key's residual e (if any) is fused into the codec's pass: y = x + e is
         # compressed and e = y - decode(y) left behind; x itself is not needed after
         k = 1 if sparse or f.device else \
             gather_pieces(t, codec, n, f.dtype, arrays.itemsize(x))
+        sig, g = (None, None) if sparse or f.device or k > 1 else \
+            planned(t, codec, x, seeds, key, ef is not None)
+        if src is not None and not direct and g is None:
+            arrays.assign(x, src)
+            src = None
         if k > 1:
             pipeline.allgather(t, x, f, seeds, e, k, tally)
             return x
-        sig, g = (None, None) if sparse or f.device else \
-            planned(t, codec, x, seeds, key, ef is not None)
         if g is not None:
-            g.run(t, x, seeds.base[1], None, residual=e, tally=tally)
+            g.run(t, x, seeds.base[1], None, residual=e, tally=tally,
+                  **({} if src is None else {"src": src}))
             if g.pieces_pay:                        # decided at one run, alike everywhere
                 t.state.plans[sig] = pieced_if_it_pays(t, g, seeds.base[0])
             return x
@@ -327,8 +333,9 @@ def run(t: Transport, buf: Any, dtype: str, op: str, route: str, codec: Compress
 
 def reads_src(codec: Compressor, op: str, route: str) -> bool:
     """Whether a host float32 ``op`` through ``codec`` on ``route`` (``auto``: the one
-    it may take) can read its values where they lie (:func:`run`'s ``src``): the sparse
-    gathered route's pairs of a sum, taken straight from the input.
+    it may take) can read its values where they lie (:func:`run`'s ``src``): a sum on
+    a gathered route, whose sparse pairs or planned frames are taken straight from the
+    input (:func:`gathered` copies it in where its path cannot).
 
     Example:
         >>> from gradcomm import compressors
@@ -336,7 +343,7 @@ def reads_src(codec: Compressor, op: str, route: str) -> bool:
         >>> reads_src(topk, "sum", "auto"), reads_src(topk, "mean", "auto")
         (True, False)
     """
-    return op == "sum" and codec.sparse_pairs and route in ("auto", "sparse_allgather")
+    return op == "sum" and route in ("auto", "allgather", "sparse_allgather")
 
 
 def feeds_back(t: Transport, route: str, codec: Compressor, ef: ResidualStore | None

@@ -23,8 +23,11 @@ from gradcomm.errors import DeadlineError, PayloadError
 STEPS = 3
 
 
-def _steps(t, g, n: int, guard: Guard | None = None, plant: str = "") -> list:
-    """Results, guard decisions and bytes sent per step, and the final residual."""
+def _steps(t, g, n: int, guard: Guard | None = None, plant: str = "",
+           src: bool = False) -> list:
+    """Results, guard decisions and bytes sent per step, and the final residual;
+    ``src``: the input handed as ``src=`` (the result then lands in a buffer of NaNs,
+    and the input must come back untouched)."""
     state, outs = ErrorFeedback(), []
     for s in range(STEPS):
         x = gaussian_input(t.rank + 7 * s, n, "float32")
@@ -36,7 +39,13 @@ def _steps(t, g, n: int, guard: Guard | None = None, plant: str = "") -> list:
             guard.observe("w", x)
         sent = t.stats.bytes_sent
         e = state._residuals.get("w") if s else None     # fused from step 1 (reset: none)
-        y, why = g.run(t, x, s, state, guard=guard, residual=e)
+        if src:
+            keep = x.copy()
+            y, why = g.run(t, np.full(n, np.nan, np.float32), s, state, guard=guard,
+                           residual=e, src=x)
+            assert x.tobytes() == keep.tobytes()
+        else:
+            y, why = g.run(t, x, s, state, guard=guard, residual=e)
         if why is not None:
             state.reset("w")                        # the caller's part of the decision
         outs.append((y.copy(), why, t.stats.bytes_sent - sent))
@@ -44,14 +53,14 @@ def _steps(t, g, n: int, guard: Guard | None = None, plant: str = "") -> list:
 
 
 def _both(p: int, n: int, name: str, options: dict, piece: int, guarded: bool = False,
-          plant: str = "") -> list:
+          plant: str = "", src: bool = False) -> list:
     def fn(t):
         codec = compressors.get(name, **options)
         whole = plan_gather(t, codec, n, "w", seed=3, feedback=True)
         cut = plan_pipeline(t, codec, n, "w", seed=3, feedback=True, piece=piece)
         assert whole is not None and cut is not None and len(cut.pieces) > 2
         g1, g2 = (Guard(bound=10.0), Guard(bound=10.0)) if guarded else (None, None)
-        return _steps(t, whole, n, g1, plant), _steps(t, cut, n, g2, plant)
+        return _steps(t, whole, n, g1, plant), _steps(t, cut, n, g2, plant, src)
 
     return run_ranks(p, fn, timeout=120)
 
@@ -62,9 +71,11 @@ def _both(p: int, n: int, name: str, options: dict, piece: int, guarded: bool = 
     (5, 1001, "onebit", {"bucket_size": 64}, 64), (2, 3001, "int8", {"bits": 4,
                                                                      "bucket_size": 16}, 500),
     (2, 200_003, "onebit", {}, 1 << 16), (3, 200_003, "int8", {}, 70_000)])
-def test_pieces_keep_the_one_piece_bytes(p, n, name, options, piece) -> None:
-    """200 003 elements in pieces of >= 65 536 run numba's fused kernels."""
-    for whole, cut in _both(p, n, name, options, piece):
+@pytest.mark.parametrize("src", [False, True])
+def test_pieces_keep_the_one_piece_bytes(p, n, name, options, piece, src) -> None:
+    """200 003 elements in pieces of >= 65 536 run numba's fused kernels. ``src``: the
+    pieces read the input where it lies and decode into another buffer."""
+    for whole, cut in _both(p, n, name, options, piece, src=src):
         (w, ew), (c, ec) = whole, cut
         for s in range(STEPS):
             assert c[s][0].tobytes() == w[s][0].tobytes(), s

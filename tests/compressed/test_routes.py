@@ -88,3 +88,59 @@ def test_a_sparse_sum_reads_its_input_where_it_lies() -> None:
     res = run_ranks(3, fn, timeout=60)
     assert all(all(ok) for ok, _ in res), [ok for ok, _ in res]
     assert all(r[1] == res[0][1] for r in res)
+
+
+@pytest.mark.parametrize("kernels", ["auto", "numpy"])
+@pytest.mark.parametrize("name", ["int8", "onebit", "fp16"])
+@pytest.mark.parametrize("p", [2, 3])
+def test_the_planned_gather_reads_its_input_where_it_lies(name: str, p: int, kernels: str,
+                                                          monkeypatch) -> None:
+    """gradcomm.Allreduce (error feedback, the guard) and the stateless allreduce take a
+    planned codec's frames from the caller's array on the allgather route, with the
+    result decoded into a fresh buffer: the same bytes and residuals as the copying
+    path, the input untouched, the guard's input norm exact, and the route did read it
+    (PlannedGather.run was handed the input for the codecs that plan). numpy's kernels
+    do not fuse the residual: the plan's step-by-step path decodes into the result."""
+    monkeypatch.setenv("GRADCOMM_KERNELS", kernels)
+    import gradcomm
+    from gradcomm.compressed.guard import sq_norm
+    from gradcomm.compressed.planned import PlannedGather
+    from gradcomm.error_feedback import ErrorFeedback
+
+    n = 300_007
+    given = []
+    run = PlannedGather.run
+
+    def spy(self, t, x, *a, src=None, **kw):
+        given.append(src is not None and not np.shares_memory(src, x))
+        return run(self, t, x, *a, src=src, **kw)
+
+    monkeypatch.setattr(PlannedGather, "run", spy)
+
+    def fn(t):
+        ar = gradcomm.Allreduce(t, op="sum", algorithm="allgather", compressor=name)
+        ref = ErrorFeedback(enabled=True)
+        ok = []
+        for step in range(3):
+            x = _gauss(t.rank, n, step)
+            keep = x.copy()
+            got = ar(x, key="w")
+            want = compressed_allreduce(t, keep.copy(), "float32", op="sum",
+                                        algorithm="allgather", compressor=name,
+                                        residuals=ref, key="w")
+            ok += [got.tobytes() == want.tobytes(), x.tobytes() == keep.tobytes(),
+                   ar.error_feedback.residual("w", n, np.float32).tobytes()
+                   == ref.residual("w", n, np.float32).tobytes()]
+        ok.append(ar.guard._scale["w"] == max(sq_norm(_gauss(t.rank, n, s))
+                                              for s in range(3)))
+        plain = gradcomm.allreduce(x, t, op="sum", algorithm="allgather", compressor=name)
+        want = compressed_allreduce(t, keep.copy(), "float32", op="sum",
+                                    algorithm="allgather", compressor=name)
+        ok += [plain.tobytes() == want.tobytes(), x.tobytes() == keep.tobytes()]
+        return ok, got.tobytes()
+
+    res = run_ranks(p, fn, timeout=60)
+    assert all(all(ok) for ok, _ in res), [ok for ok, _ in res]
+    assert all(r[1] == res[0][1] for r in res)
+    plans = name in ("int8", "onebit")
+    assert bool(given) == plans and (not plans or sum(given) == 4 * p), given

@@ -21,7 +21,9 @@ from .collectives import small
 from .compressors import _kernels
 from .comm import get_transport
 from .comm.background import background
+from .compressed.auto import auto_route
 from .compressed.guard import DEFAULT_BOUND, Guard, SqNorm
+from .compressed.routes import reads_src
 from .errors import ConfigError
 
 
@@ -206,6 +208,8 @@ class Allreduce:
         self.guard = Guard(residual_bound) if guard and lossy and (
             self.error_feedback.enabled or self.compressor.name == "powersgd") else None
         self._transport: Any = None
+        #: (count, ranks) -> whether the route reads the input where it lies (_reads)
+        self._routes: dict[tuple[int, int], bool] = {}
 
     @property
     def transport(self) -> Any:
@@ -219,13 +223,13 @@ class Allreduce:
         t = self.transport
         ef = self.error_feedback
         g2 = src = None
-        if (got := self.plan.views(x, t)) is not None:    # read where it lies (a route
-            src, buf, meta = got                          # that cannot copies it in)
-        elif self.guard is not None and type(x) is np.ndarray and \
-                x.dtype == np.float32 and x.flags.c_contiguous:
+        if self.guard is not None and type(x) is np.ndarray and x.dtype == np.float32 \
+                and x.flags.c_contiguous and not self._reads(t, x.size):
             buf = np.empty(x.size, np.float32)      # the copy and the guard's input norm
             g2 = _kernels.for_size(x.size).copy_sq_norm(x.reshape(-1), buf)    # in one
             meta = arrays.backend(x).meta(x)                                   # pass
+        elif (got := self.plan.views(x, t)) is not None:    # read where it lies (the
+            src, buf, meta = got                            # route copies it if it must)
         else:
             buf, meta = self.plan.flat(x, t)
         compressed = self.plan.compresses(meta.dtype)  # (a sparse gradient may go
@@ -257,6 +261,22 @@ class Allreduce:
             if guard.check(t, key, residuals, buf, same=True, e2=e2):
                 ef.clear(key)
         return arrays.from_flat(buf, meta)
+
+    def _reads(self, t: Any, n: int) -> bool:
+        """Whether a float32 host call of ``n`` elements takes a route that reads its
+        input where it lies (:func:`~gradcomm.compressed.routes.reads_src`; ``auto``
+        resolved as it will be, once per count and rank count): then the guard's input
+        norm is a pass of its own, in the ranks' waits; else the copy takes it."""
+        got = self._routes.get((n, t.size))
+        if got is None:
+            c, route = self.compressor, self.algorithm
+            if c is not None and route == "auto" and t.size > 1:
+                route = auto_route(t, c, n, "float32")
+            got = c is not None and t.size > 1 and reads_src(c, self.op, route)
+            if len(self._routes) >= 64:
+                self._routes.clear()
+            self._routes[(n, t.size)] = got
+        return got
 
     def _signature(self) -> str:
         c = self.compressor

@@ -332,18 +332,18 @@ def run(t: Transport, buf: Any, dtype: str, op: str, route: str, codec: Compress
 
 
 def reads_src(codec: Compressor, op: str, route: str) -> bool:
-    """Whether a host float32 ``op`` through ``codec`` on ``route`` (``auto``: the one
-    it may take) can read its values where they lie (:func:`run`'s ``src``): a sum on
-    a gathered route, whose sparse pairs or planned frames are taken straight from the
+    """Whether a host float32 ``op`` through ``codec`` on ``route`` (resolved: not
+    ``auto``) can read its values where they lie (:func:`run`'s ``src``): a sum on a
+    gathered route, whose sparse pairs or planned frames are taken straight from the
     input (:func:`gathered` copies it in where its path cannot).
 
     Example:
         >>> from gradcomm import compressors
         >>> topk = compressors.get("topk", ratio=0.01)
-        >>> reads_src(topk, "sum", "auto"), reads_src(topk, "mean", "auto")
+        >>> reads_src(topk, "sum", "sparse_allgather"), reads_src(topk, "mean", "allgather")
         (True, False)
     """
-    return op == "sum" and route in ("auto", "allgather", "sparse_allgather")
+    return op == "sum" and route in ("allgather", "sparse_allgather")
 
 
 def feeds_back(t: Transport, route: str, codec: Compressor, ef: ResidualStore | None

@@ -133,6 +133,8 @@ def test_the_planned_gather_reads_its_input_where_it_lies(name: str, p: int, ker
                    == ref.residual("w", n, np.float32).tobytes()]
         ok.append(ar.guard._scale["w"] == max(sq_norm(_gauss(t.rank, n, s))
                                               for s in range(3)))
+        ring = gradcomm.Allreduce(t, op="sum", algorithm="ring", compressor=name)
+        ok += [ar._reads(t, n), not ring._reads(t, n)]     # the ring copies, norm in pass
         plain = gradcomm.allreduce(x, t, op="sum", algorithm="allgather", compressor=name)
         want = compressed_allreduce(t, keep.copy(), "float32", op="sum",
                                     algorithm="allgather", compressor=name)

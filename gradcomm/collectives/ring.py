@@ -39,7 +39,7 @@ from ..comm.base import PIPELINE_CHUNK, TAG_DATA, Request, Transport
 from ..errors import ConfigError
 from ..ops import Reducer
 from ._segments import ring_schedule
-from ._wire import DenseWire, Wire, dense_wire
+from ._wire import Wire, dense_wire
 
 #: the pipeline chunk of the in-process transport (and every transport's smallest)
 CHUNK_BYTES = PIPELINE_CHUNK
@@ -52,13 +52,14 @@ def allreduce(t: Transport, buf: Any, red: Reducer, *, tag: int = TAG_DATA,
 
     ``chunk_bytes`` must be the same on every rank (it fixes the message sizes); None
     asks the transport (:meth:`~gradcomm.comm.Transport.chunk_bytes` of the segment).
-    ``src`` (dense wire only): this rank's values, of ``buf``'s size and dtype, not
-    modified; ``buf``'s own contents are then never read (out of place, with no copy:
-    the first sends read ``src``, and each segment is folded from ``src`` into ``buf``).
+    ``src`` (on a wire that ``folds_from_src``: the dense one and the compressed one):
+    this rank's values, of ``buf``'s size and dtype, not modified; ``buf``'s own contents
+    are then never read (out of place, with no copy: the first sends read ``src``, and
+    each segment is folded from ``src`` into ``buf``).
     """
     p, rank, n = t.size, t.rank, arrays.size(buf)
-    if src is not None and wire is not None and not isinstance(wire, DenseWire):
-        raise ConfigError("ring.allreduce(src=...) folds raw values: a dense wire only")
+    if src is not None and wire is not None and not wire.folds_from_src:
+        raise ConfigError("ring.allreduce(src=...) needs a wire that folds from src")
     if src is not None and (p == 1 or n == 0):
         arrays.assign(buf, src)
     if p == 1 or n == 0:

@@ -148,19 +148,29 @@ def link_bound(t: Transport, codec: Compressor, x: Any) -> bool:
 
 
 def per_hop(t: Transport, x: Any, codec: Compressor, name: str, seeds: Seeds,
-            ef: ResidualStore | None, key: str, scratch: Scratch | None = None) -> None:
-    """``x = Σ_ranks x`` by dense algorithm ``name`` on a compressed wire."""
+            ef: ResidualStore | None, key: str, scratch: Scratch | None = None,
+            src: Any = None) -> None:
+    """``x = Σ_ranks x`` by dense algorithm ``name`` on a compressed wire; with ``src``
+    (``x``'s contents are then ignored), ``x = Σ_ranks src``: the serial ring reads it
+    where it lies (its first encodes, and each segment's fold), the others copy it in
+    first."""
     n, dt, itemsize = arrays.size(x), arrays.dtype_name(x), arrays.itemsize(x)
     codec = segment_codec(codec, n)
-
+    piped = name == "ring" and ring.wanted(n * itemsize, t, link_bound(t, codec, x))
+    if src is not None and (name != "ring" or piped):
+        arrays.assign(x, src)
+        src = None
     parts = 1 << (t.size.bit_length() - 1) if name == "rabenseifner" else 1
-    wire = CompressedWire(codec, x, seeds, max_parts=parts, ef=ef, key=key, scratch=scratch)
+    wire = CompressedWire(codec, x, seeds, max_parts=parts, ef=ef, key=key, scratch=scratch,
+                          src=src)
     kwargs: dict[str, Any] = {}
     if name in ("ring", "tree") and n:
         kwargs["chunk_bytes"] = span_bytes(codec, n, dt)
-    if name == "ring" and ring.wanted(n * itemsize, t, link_bound(t, codec, x)):
+    if piped:
         ring.allreduce(t, x, wire, **kwargs)
         return
+    if src is not None:
+        kwargs["src"] = src
     algorithm(name)(t, x, Reducer("sum", dt), wire=wire, **kwargs)
 
 
@@ -321,7 +331,7 @@ def run(t: Transport, buf: Any, dtype: str, op: str, route: str, codec: Compress
     caller) through ``codec``; returns the result (``buf``, overwritten). ``feedback``:
     whether ``ef``'s residuals apply, if the caller decided it already (as
     :func:`feeds_back` does; None: decided here). ``src``: the values to reduce, read
-    where they lie (host float32 on the sparse gathered route), else first copied into
+    where they lie (a host float32 sum where :func:`reads_src`), else first copied into
     ``buf``; None: ``buf`` holds them."""
     if src is not None and not (reads_src(codec, op, route) and dtype == "float32"
                                 and t.size > 1 and arrays.size(buf)):
@@ -335,7 +345,9 @@ def reads_src(codec: Compressor, op: str, route: str) -> bool:
     """Whether a host float32 ``op`` through ``codec`` on ``route`` (resolved: not
     ``auto``) can read its values where they lie (:func:`run`'s ``src``): a sum on a
     gathered route, whose sparse pairs or planned frames are taken straight from the
-    input (:func:`gathered` copies it in where its path cannot).
+    input (:func:`gathered` copies it in where its path cannot), or on the ring (the
+    serial ring encodes and folds from it; :func:`per_hop` copies it in for the
+    pipelined one).
 
     Example:
         >>> from gradcomm import compressors
@@ -343,7 +355,7 @@ def reads_src(codec: Compressor, op: str, route: str) -> bool:
         >>> reads_src(topk, "sum", "sparse_allgather"), reads_src(topk, "mean", "allgather")
         (True, False)
     """
-    return op == "sum" and route in ("allgather", "sparse_allgather")
+    return op == "sum" and route in ("ring", "allgather", "sparse_allgather")
 
 
 def feeds_back(t: Transport, route: str, codec: Compressor, ef: ResidualStore | None
@@ -379,7 +391,7 @@ def _run(t: Transport, buf: Any, dtype: str, op: str, route: str, codec: Compres
             arrays.divide_(x, p)
         seeds = Seeds(seed, step, key, t.rank, codec.shared_seed)
         if route in HOP_ALGORITHMS:
-            per_hop(t, x, codec, route, seeds, ef, key, scratch)
+            per_hop(t, x, codec, route, seeds, ef, key, scratch, src)
         else:
             y = gathered(t, x, codec, route == "sparse_allgather", seeds, ef, key, scratch,
                          src)

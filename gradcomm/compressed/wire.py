@@ -51,11 +51,15 @@ class CompressedWire:
     """
 
     lossy = True
+    folds_from_src = True
 
     def __init__(self, codec: Compressor, base: np.ndarray, seeds: Seeds, *,
                  max_parts: int = 1, ef: ResidualStore | None = None, key: str = "",
-                 scratch: Scratch | None = None) -> None:
+                 scratch: Scratch | None = None, src: np.ndarray | None = None) -> None:
         self.codec, self.base, self.seeds = codec, base, seeds
+        #: an out-of-place ring's values (host, like ``base``): its first encodes read
+        #: views of it, and ``reduce`` folds from it
+        self.src = src
         self.frames = Frames(codec, base, scratch)
         self.dtype = self.frames.dtype
         self.device = self.frames.device
@@ -68,11 +72,16 @@ class CompressedWire:
         self._final_hops = 0
 
     def _offset(self, seg: np.ndarray) -> int:
-        off, rem = divmod(arrays.data_ptr(seg) - arrays.data_ptr(self.base),
-                          arrays.itemsize(self.base))
-        if rem or off < 0 or off + arrays.size(seg) > arrays.size(self.base):
-            raise ConfigError("CompressedWire: segments must be views of the reduced buffer")
-        return off
+        """Where ``seg`` starts in the buffer (a view of it, or of ``src`` alike)."""
+        n, m = arrays.size(self.base), arrays.size(seg)
+        for whole in (self.base, self.src):
+            if whole is None:
+                continue
+            off, rem = divmod(arrays.data_ptr(seg) - arrays.data_ptr(whole),
+                              arrays.itemsize(self.base))
+            if not rem and 0 <= off and off + m <= n:
+                return off
+        raise ConfigError("CompressedWire: segments must be views of the reduced buffer")
 
     def _forget(self, lo: int, hi: int) -> None:
         for off in [o for o, (m, _) in self._finished.items() if o < hi and o + m > lo]:
@@ -98,10 +107,15 @@ class CompressedWire:
         e = self._hop_residual(f"{self.key}{HOP_SEP}e{hop}", off, n, self.dtype)
         return f.single(seg, seed, n, f.bound(n), residual=e, tally=self.tally)[0]
 
-    def reduce(self, recv: np.ndarray, seg: np.ndarray, recv_first: bool) -> None:
+    def reduce(self, recv: np.ndarray, seg: np.ndarray, recv_first: bool,
+               mine: np.ndarray | None = None) -> None:
+        """``seg += decode(recv)``; with ``mine`` (``src``'s view of the segment), ``seg``
+        takes ``mine`` first: the bytes of the in-place ring."""
         off, n = self._offset(seg), arrays.size(seg)
         self._forget(off, off + n)
         (_, _, data), = self.frames.parts(recv, n, 1)
+        if mine is not None:
+            arrays.assign(seg, mine)
         self.frames.decode_add(data, seg)
 
     def final(self, seg: np.ndarray) -> np.ndarray:

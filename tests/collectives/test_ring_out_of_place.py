@@ -65,12 +65,12 @@ def test_the_out_of_place_ring_reads_src_and_never_buf(p: int, dtype: str, op: s
             k += 2
 
 
-def test_src_needs_the_dense_wire() -> None:
+def test_src_needs_a_wire_that_folds_from_src() -> None:
     class Other:
-        pass
+        folds_from_src = False
 
     def fn(t):
-        with pytest.raises(ConfigError, match="dense wire"):
+        with pytest.raises(ConfigError, match="folds from src"):
             ring.allreduce(t, np.zeros(4), Reducer("sum", "float64"), wire=Other(),
                            src=np.ones(4))
         w = DenseWire(Reducer("sum", "float64"))

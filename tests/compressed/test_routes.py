@@ -133,8 +133,8 @@ def test_the_planned_gather_reads_its_input_where_it_lies(name: str, p: int, ker
                    == ref.residual("w", n, np.float32).tobytes()]
         ok.append(ar.guard._scale["w"] == max(sq_norm(_gauss(t.rank, n, s))
                                               for s in range(3)))
-        ring = gradcomm.Allreduce(t, op="sum", algorithm="ring", compressor=name)
-        ok += [ar._reads(t, n), not ring._reads(t, n)]     # the ring copies, norm in pass
+        tree = gradcomm.Allreduce(t, op="sum", algorithm="tree", compressor=name)
+        ok += [ar._reads(t, n), not tree._reads(t, n)]     # the tree copies, norm in pass
         plain = gradcomm.allreduce(x, t, op="sum", algorithm="allgather", compressor=name)
         want = compressed_allreduce(t, keep.copy(), "float32", op="sum",
                                     algorithm="allgather", compressor=name)
@@ -146,3 +146,51 @@ def test_the_planned_gather_reads_its_input_where_it_lies(name: str, p: int, ker
     assert all(r[1] == res[0][1] for r in res)
     plans = name in ("int8", "onebit")
     assert bool(given) == plans and (not plans or sum(given) == 4 * p), given
+
+
+@pytest.mark.parametrize("name", [c for c in compressors.names() if c != "powersgd"])
+def test_the_serial_ring_folds_from_src(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """compressed_allreduce(src=...) on the ring, several messages per segment, three
+    steps with error feedback, p = 3: the bytes and every hop's residual of the copying
+    path, src untouched, whatever the result buffer held (NaN here); on the serial ring
+    (which encodes and folds from src) and the pipelined one (which copies it in)."""
+    from gradcomm.compressed.wire import CompressedWire
+    from gradcomm.error_feedback import ErrorFeedback
+
+    monkeypatch.setattr(routes, "MAX_SPAN_BYTES", 4096)
+    monkeypatch.setattr(routes, "CHUNK_BYTES", 2048)
+    p, n = 3, 20_011
+    given: list[bool] = []
+    init = CompressedWire.__init__
+
+    def spy(self, *a, src=None, **kw):
+        given.append(src is not None)
+        init(self, *a, src=src, **kw)
+
+    monkeypatch.setattr(CompressedWire, "__init__", spy)
+
+    def fn(t):
+        a, b = ErrorFeedback(enabled=True), ErrorFeedback(enabled=True)
+        ok = []
+        for step in range(3):
+            x = _gauss(t.rank, n, step)
+            keep = x.copy()
+            got = compressed_allreduce(t, np.full_like(x, np.nan), "float32", op="sum",
+                                       algorithm="ring", compressor=name, residuals=a,
+                                       key="w", src=x)
+            want = compressed_allreduce(t, keep.copy(), "float32", op="sum",
+                                        algorithm="ring", compressor=name, residuals=b,
+                                        key="w")
+            ok += [got.tobytes() == want.tobytes(), x.tobytes() == keep.tobytes(),
+                   sorted(a.names()) == sorted(b.names())]
+            ok += [a._residuals[k].tobytes() == b._residuals[k].tobytes()
+                   for k in b.names()]
+        return ok
+
+    for pipeline in ("0", "1"):
+        monkeypatch.setenv("GRADCOMM_PIPELINE", pipeline)
+        given.clear()
+        res = run_ranks(p, fn, timeout=60)
+        assert all(all(ok) for ok in res), (pipeline, res)
+        # the serial ring's wire got src in each call that passed it (half of them)
+        assert sum(given) == (3 * p if pipeline == "0" else 0), (pipeline, given)

@@ -52,40 +52,44 @@ def _gauss(rank: int, n: int, step: int) -> np.ndarray:
     return np.random.default_rng([rank, n, step]).standard_normal(n).astype(np.float32)
 
 
-def test_a_sparse_sum_reads_its_input_where_it_lies() -> None:
-    """Top-k sums (stateless, and gradcomm.Allreduce with error feedback and the guard)
-    take their pairs from the caller's array, not from a copy: the same bytes and
-    residuals as the copying path, the input untouched, and the guard's input norm taken
-    from the input."""
+def _reads_where_it_lies(t, algorithm: str, name: str, **opts) -> tuple[list, bytes]:
+    """gradcomm.Allreduce (sum, error feedback, the guard) for three steps, then the
+    stateless allreduce, each against compressed_allreduce on a copy (its own store):
+    the same bytes and residuals, the input untouched, the guard's input norm exact.
+    Returns the checks and the last result's bytes."""
     import gradcomm
     from gradcomm.compressed.guard import sq_norm
     from gradcomm.error_feedback import ErrorFeedback
 
     n = 300_007                                            # above one pipeline chunk
+    ar = gradcomm.Allreduce(t, op="sum", algorithm=algorithm, compressor=name, **opts)
+    ref = ErrorFeedback(enabled=True)
+    ok = []
+    for step in range(3):
+        x = _gauss(t.rank, n, step)
+        keep = x.copy()
+        got = ar(x, key="w")
+        want = compressed_allreduce(t, keep.copy(), "float32", op="sum",
+                                    algorithm=algorithm, compressor=name, residuals=ref,
+                                    key="w", **opts)
+        ok += [got.tobytes() == want.tobytes(), x.tobytes() == keep.tobytes(),
+               ar.error_feedback.residual("w", n, np.float32).tobytes()
+               == ref.residual("w", n, np.float32).tobytes()]
+    ok.append(ar.guard._scale["w"] == max(sq_norm(_gauss(t.rank, n, s)) for s in range(3)))
+    tree = gradcomm.Allreduce(t, op="sum", algorithm="tree", compressor=name, **opts)
+    ok += [ar._reads(t, n), not tree._reads(t, n)]         # the tree copies, norm in pass
+    plain = gradcomm.allreduce(x, t, op="sum", algorithm=algorithm, compressor=name, **opts)
+    want = compressed_allreduce(t, keep.copy(), "float32", op="sum", algorithm=algorithm,
+                                compressor=name, **opts)
+    ok += [plain.tobytes() == want.tobytes(), x.tobytes() == keep.tobytes()]
+    return ok, got.tobytes()
 
-    def fn(t):
-        ar = gradcomm.Allreduce(t, op="sum", compressor="topk", ratio=0.01)
-        ref = ErrorFeedback(enabled=True)
-        ok = []
-        for step in range(3):
-            x = _gauss(t.rank, n, step)
-            keep = x.copy()
-            got = ar(x, key="w")
-            want = compressed_allreduce(t, keep.copy(), "float32", op="sum",
-                                        algorithm="auto", compressor="topk", ratio=0.01,
-                                        residuals=ref, key="w")
-            ok += [got.tobytes() == want.tobytes(), x.tobytes() == keep.tobytes(),
-                   ar.error_feedback.residual("w", n, np.float32).tobytes()
-                   == ref.residual("w", n, np.float32).tobytes(),
-                   ar.guard._scale["w"] >= sq_norm(keep)]
-        plain = gradcomm.allreduce(x, t, op="sum", compressor="topk", ratio=0.01)
-        want = compressed_allreduce(t, keep.copy(), "float32", op="sum", algorithm="auto",
-                                    compressor="topk", ratio=0.01)
-        ok += [plain.tobytes() == want.tobytes(), x.tobytes() == keep.tobytes(),
-               ar.guard._scale["w"] == max(sq_norm(_gauss(t.rank, n, s)) for s in range(3))]
-        return ok, got.tobytes()
 
-    res = run_ranks(3, fn, timeout=60)
+def test_a_sparse_sum_reads_its_input_where_it_lies() -> None:
+    """Top-k sums take their pairs from the caller's array, not from a copy
+    (:func:`_reads_where_it_lies`)."""
+    res = run_ranks(3, lambda t: _reads_where_it_lies(t, "auto", "topk", ratio=0.01),
+                    timeout=60)
     assert all(all(ok) for ok, _ in res), [ok for ok, _ in res]
     assert all(r[1] == res[0][1] for r in res)
 
@@ -95,19 +99,13 @@ def test_a_sparse_sum_reads_its_input_where_it_lies() -> None:
 @pytest.mark.parametrize("p", [2, 3])
 def test_the_planned_gather_reads_its_input_where_it_lies(name: str, p: int, kernels: str,
                                                           monkeypatch) -> None:
-    """gradcomm.Allreduce (error feedback, the guard) and the stateless allreduce take a
-    planned codec's frames from the caller's array on the allgather route, with the
-    result decoded into a fresh buffer: the same bytes and residuals as the copying
-    path, the input untouched, the guard's input norm exact, and the route did read it
-    (PlannedGather.run was handed the input for the codecs that plan). numpy's kernels
-    do not fuse the residual: the plan's step-by-step path decodes into the result."""
-    monkeypatch.setenv("GRADCOMM_KERNELS", kernels)
-    import gradcomm
-    from gradcomm.compressed.guard import sq_norm
+    """A planned codec's frames on the allgather route are encoded from the caller's
+    array and the sum decoded into a fresh buffer (:func:`_reads_where_it_lies`), and
+    PlannedGather.run was handed the input for the codecs that plan. numpy's kernels do
+    not fuse the residual: the plan's step-by-step path decodes into the result."""
     from gradcomm.compressed.planned import PlannedGather
-    from gradcomm.error_feedback import ErrorFeedback
 
-    n = 300_007
+    monkeypatch.setenv("GRADCOMM_KERNELS", kernels)
     given = []
     run = PlannedGather.run
 
@@ -116,32 +114,7 @@ def test_the_planned_gather_reads_its_input_where_it_lies(name: str, p: int, ker
         return run(self, t, x, *a, src=src, **kw)
 
     monkeypatch.setattr(PlannedGather, "run", spy)
-
-    def fn(t):
-        ar = gradcomm.Allreduce(t, op="sum", algorithm="allgather", compressor=name)
-        ref = ErrorFeedback(enabled=True)
-        ok = []
-        for step in range(3):
-            x = _gauss(t.rank, n, step)
-            keep = x.copy()
-            got = ar(x, key="w")
-            want = compressed_allreduce(t, keep.copy(), "float32", op="sum",
-                                        algorithm="allgather", compressor=name,
-                                        residuals=ref, key="w")
-            ok += [got.tobytes() == want.tobytes(), x.tobytes() == keep.tobytes(),
-                   ar.error_feedback.residual("w", n, np.float32).tobytes()
-                   == ref.residual("w", n, np.float32).tobytes()]
-        ok.append(ar.guard._scale["w"] == max(sq_norm(_gauss(t.rank, n, s))
-                                              for s in range(3)))
-        tree = gradcomm.Allreduce(t, op="sum", algorithm="tree", compressor=name)
-        ok += [ar._reads(t, n), not tree._reads(t, n)]     # the tree copies, norm in pass
-        plain = gradcomm.allreduce(x, t, op="sum", algorithm="allgather", compressor=name)
-        want = compressed_allreduce(t, keep.copy(), "float32", op="sum",
-                                    algorithm="allgather", compressor=name)
-        ok += [plain.tobytes() == want.tobytes(), x.tobytes() == keep.tobytes()]
-        return ok, got.tobytes()
-
-    res = run_ranks(p, fn, timeout=60)
+    res = run_ranks(p, lambda t: _reads_where_it_lies(t, "allgather", name), timeout=60)
     assert all(all(ok) for ok, _ in res), [ok for ok, _ in res]
     assert all(r[1] == res[0][1] for r in res)
     plans = name in ("int8", "onebit")

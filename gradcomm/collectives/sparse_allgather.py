@@ -36,6 +36,7 @@ Example:
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
@@ -152,7 +153,7 @@ def allreduce(t: Transport, indices: np.ndarray, values: np.ndarray, n: int, *,
     fresh = out is None
     if fresh:                             # zero pages: no fill before the scatter; the
         out = np.zeros(n, vals.dtype)     # kernel maps them in while the pairs travel
-    with background(Prefault(out) if fresh else None):
+    with background(Prefault(out)) if fresh else nullcontext():
         _, blocks, dense, _ = _exchange(t, idx, vals, n, mask=False)
     host = arrays.is_host(out)            # else a device buffer: blocks are copied there
     if dense is not None:

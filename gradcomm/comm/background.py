@@ -90,7 +90,9 @@ class Prefault(Job):
         return end < self.bytes.size
 
 
-_jobs: ContextVar[tuple[Job, ...]] = ContextVar("gradcomm_background", default=())
+#: this thread's jobs, outer blocks' first (a wait with none to run reads only this: a
+#: C call, no frame of this module on its trip)
+JOBS: ContextVar[tuple[Job, ...]] = ContextVar("gradcomm_background", default=())
 
 
 @contextmanager
@@ -101,11 +103,11 @@ def background(*jobs: Job | None) -> Iterator[None]:
     if not mine:
         yield
         return
-    token = _jobs.set(_jobs.get() + mine)
+    token = JOBS.set(JOBS.get() + mine)
     try:
         yield
     finally:
-        _jobs.reset(token)
+        JOBS.reset(token)
     for j in mine:                   # (not after an exception: the result is abandoned)
         if j.required:
             j.finish()
@@ -113,16 +115,16 @@ def background(*jobs: Job | None) -> Iterator[None]:
 
 def pending() -> bool:
     """Whether this thread has background work left (a cheap test for the waits)."""
-    return any(not j.done for j in _jobs.get())
+    return any(not j.done for j in JOBS.get())
 
 
 def step() -> bool:
     """Run one slice of this thread's first unfinished job; False if none was left."""
-    for j in _jobs.get():
+    for j in JOBS.get():
         if not j.done:
             j.done = not j.step()
             return True
     return False
 
 
-__all__ = ["Job", "Prefault", "background", "pending", "step"]
+__all__ = ["JOBS", "Job", "Prefault", "background", "pending", "step"]

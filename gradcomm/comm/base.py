@@ -286,7 +286,7 @@ def poll(requests: Sequence[Request], deadline: float, on_expiry: Any) -> None:
     if not pending:
         return
     start = time.monotonic()
-    work = background.pending()
+    work = bool(background.JOBS.get())
     while True:
         pending = [r for r in pending if not r.test()]
         if not pending:

@@ -160,8 +160,9 @@ class ThreadTransport(Transport):
         """Block until every request completes (the thread's background work runs first,
         while a request is pending: peers deliver without this rank)."""
         t = self.timeout if timeout is None else timeout
-        while not all(r.test() for r in requests) and background.step():
-            pass
+        if background.JOBS.get():
+            while not all(r.test() for r in requests) and background.step():
+                pass
         if not self._fabric.wait(self.rank, requests, t):  # type: ignore[arg-type]
             raise self._expired("a send or receive")
 

@@ -129,7 +129,8 @@ class TorchTransport(Transport):
         """Wait for each request with the time left before the deadline."""
         limit = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
-        if any(isinstance(r, _Work) and not r.done for r in requests):
+        if background.JOBS.get() and any(isinstance(r, _Work) and not r.done
+                                         for r in requests):
             while background.step():        # gloo moves the bytes on its own threads
                 pass
         for i, r in enumerate(requests):

@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 import time
 import zlib
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
@@ -166,7 +167,7 @@ class PlannedGather:
                             run == VOTE_AT and self.spent[0] > self.spent[1])
             landing = scratch.arena.take((size + FLAGS) * t.size)
             sent = time.perf_counter()
-            with background(None if src is None else Prefault(x)):
+            with background(Prefault(x)) if src is not None else nullcontext():
                 blocks = allgatherv(t, frame, sizes=np.full(t.size, size + FLAGS, np.int64),
                                     out=landing)
             arrived = time.perf_counter()

@@ -32,6 +32,7 @@ Example:
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
@@ -224,7 +225,7 @@ def gathered(t: Transport, x: Any, codec: Compressor, sparse: bool, seeds: Seeds
             payload = codec.compress(src if direct else x, seed=seeds.whole(), **(
                 {} if e is None else {"residual": e, "tally": None if later else tally}))
             _, _, idx, vals = codec.to_sparse(payload)
-            with background(later):
+            with background(later) if later is not None else nullcontext():
                 out = _sparse_sum(t, idx, vals, None if direct else x, n)
             if later is not None:
                 tally += (later.value(), n)

@@ -86,10 +86,16 @@ def flat_params(model: nn.Module) -> torch.Tensor:
 
 def same_everywhere(t: torch.Tensor, group=None) -> bool:
     """Whether ``t`` holds the same bytes on every rank of ``group``."""
+    from gradcomm.integrations.ddp.lifecycle import wait_released
+
     b = t.detach().contiguous().reshape(-1).view(torch.uint8)
     parts = [torch.empty_like(b) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, b, group=group)
-    return all(torch.equal(parts[0], q) for q in parts)
+    same = all(torch.equal(parts[0], q) for q in parts)
+    # gloo's workers let go of these while Python runs, not at exit (bench/RESULTS.md,
+    # "Exit aborts": this is often a check's last collective)
+    wait_released(b, *parts)
+    return same
 
 
 def algorithms_dense() -> list[str]:

@@ -985,13 +985,8 @@ def _copy_sq_lanes(src, dst, acc):
 
 def sq_norm(a):
     """:func:`._numpy.sq_norm` (float32 / float64 arrays here; others there)."""
-    from ._numpy import fold_lanes, sq_norm as reference
-    a = a.reshape(-1)
-    if a.dtype not in (np.float32, np.float64) or not a.flags.c_contiguous:
-        return reference(a)
-    acc = np.zeros(LANES)
-    _sq_lanes(a, acc)
-    return fold_lanes(acc)
+    from ._numpy import fold_lanes
+    return fold_lanes(sq_lanes(a, np.zeros(LANES)))
 
 
 def sq_lanes(a, acc):

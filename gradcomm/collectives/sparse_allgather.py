@@ -132,7 +132,9 @@ def _exchange(t: Transport, idx: np.ndarray, vals: np.ndarray, n: int | None, ma
     for r, b in enumerate(raw):
         k, w = int(ks[r]), int(wide[r])
         ir, vr = b[:k * w].view(np.uint16 if w == 2 else idt), b[k * w:].view(vals.dtype)
-        if w == 2:
+        if w == 2 and r == t.rank:
+            ir = idx                        # this rank's own (checked above), not decoded
+        elif w == 2:
             ir = np.cumsum(ir, dtype=np.int64)
         if k and not (ir[0] >= 0 and ir[-1] < n and bool(np.all(ir[1:] > ir[:-1]))):
             raise PayloadError(f"sparse allgather: rank {r} sent indices that are not "

@@ -88,13 +88,17 @@ class KeepsK(Compressor):
         """Keep ``k`` elements (:meth:`_keep` says which); with ``residual`` e, of
         ``y = x + e`` (summed into ``e``), leaving ``e = y − decode`` (y with the kept
         elements zeroed); with ``decoded``, leave ``decode`` there (may be ``x``): the
-        bytes of :func:`~gradcomm.compressors.base.compose`, with no decoding pass."""
+        bytes of :func:`~gradcomm.compressors.base.compose`, with no decoding pass;
+        ``tally`` as for :meth:`Compressor.compress`."""
         x = as_input(x, self.name)
         fk = None
         if residual is not None or decoded is not None:
             fk = fused_kernels(x, residual, decoded, self.name)     # validates
         with np.errstate(invalid="ignore", over="ignore"):      # inf - inf: NaN, by design
             if residual is not None:
+                if tally is not None and tally.size > 2:    # the input's norm (tally[2:4])
+                    tally[2] += _kernels.for_array(x).sq_norm(x)
+                    tally[3] += size(x)
                 idx, v, header, buffers = self._keep_added(x, residual, fk, seed, out)
                 x = residual
             else:

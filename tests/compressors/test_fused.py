@@ -108,18 +108,19 @@ def test_fused_compress_is_the_composition(name: str, opts: dict,
                         assert _same(b, a), (path, dtype, n, mode)
 
 
-@pytest.mark.parametrize("name", ["fp16", "bf16", "int8", "onebit"])
+@pytest.mark.parametrize("name", ["fp16", "bf16", "int8", "onebit", "topk", "randomk"])
 def test_a_tally_of_four_also_takes_the_input_norm(name: str,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """``compress(x, residual=e, tally=t)`` with ``t`` of four entries: ``t[:2]`` is the
     new residual's ``(sq_norm, n)``, as with two; ``t[2:]`` is the input's, taken before
     the residual joins it (in the 16-bit casts' fused pass, block by block), bit for bit
-    ``sq_norm(x)`` on both paths; the payload and residual are the same bytes."""
+    ``sq_norm(x)`` on both paths; the payload and residual are the same bytes. Top-k also
+    at a size its sampled pass takes."""
     from gradcomm.compressed.guard import sq_norm
 
     c = get(name)
     for path in _paths(monkeypatch):
-        for n in (1, 9, 10007):
+        for n in (1, 9, 10007) + ((300_007,) if name == "topk" else ()):
             x = data(n, "float32", 5)
             e = (data(n, "float32", 6) * 0.25).astype(np.float32)
             e2, e4 = e.copy(), e.copy()

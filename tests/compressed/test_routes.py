@@ -94,6 +94,64 @@ def test_a_sparse_sum_reads_its_input_where_it_lies() -> None:
     assert all(r[1] == res[0][1] for r in res)
 
 
+def _topk_replay(x: np.ndarray, e: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """One top-k error-feedback step done as its definition says, from the stateless
+    codec: ``y = x + e``, the decoded ``d`` of ``compress(y)``, the new ``e = y - d``."""
+    c = compressors.get("topk", k=k)
+    y = x + e
+    d = c.decompress(c.compress(y))
+    return d, y - d
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_topk_feedback_on_the_sparse_route_is_its_definition(
+        p: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """gradcomm.Allreduce with top-k and error feedback on the sparse route (the fused
+    selection, the pairs read where they lie, each rank's own block not decoded back):
+    each step's residual and result are those of the definition (:func:`_topk_replay`,
+    sums in rank order). After an exchange that fails (a DeadlineError raised at once)
+    the residual is as the codec's pass left it: the kept pairs taken out."""
+    import gradcomm
+    from gradcomm.errors import DeadlineError
+
+    n, k = 300_007, 3_000                              # the numba kernels' sampled path
+    calls = [0] * p
+    exchange = routes._sparse_sum
+
+    def failing_fourth(t, *a, **kw):
+        calls[t.rank] += 1
+        if calls[t.rank] == 4:
+            raise DeadlineError("planted: the peers never came")
+        return exchange(t, *a, **kw)
+
+    monkeypatch.setattr(routes, "_sparse_sum", failing_fourth)
+
+    def fn(t):
+        ar = gradcomm.Allreduce(t, op="sum", algorithm="sparse_allgather",
+                                compressor="topk", k=k)
+        seen = []
+        for step in range(4):
+            try:
+                out = ar(_gauss(t.rank, n, step), key="w")
+            except DeadlineError:
+                out = None
+            seen.append((out, ar.error_feedback.residual("w", n, np.float32).copy()))
+        return seen
+
+    res = run_ranks(p, fn, timeout=60)
+    e = [np.zeros(n, np.float32) for _ in range(p)]
+    for step in range(4):
+        total = np.zeros(n, np.float32)
+        for r in range(p):
+            d, e[r] = _topk_replay(_gauss(r, n, step), e[r], k)
+            total += d
+        for r in range(p):
+            out, got_e = res[r][step]
+            assert got_e.tobytes() == e[r].tobytes(), (step, r)
+            assert (out is None) == (step == 3), (step, r)
+            assert out is None or out.tobytes() == total.tobytes(), (step, r)
+
+
 @pytest.mark.parametrize("kernels", ["auto", "numpy"])
 @pytest.mark.parametrize("name", ["int8", "onebit", "fp16"])
 @pytest.mark.parametrize("p", [2, 3])

@@ -306,7 +306,7 @@ def rank_main(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from gradcomm.integrations.ddp.lifecycle import wait_released
+    from gradcomm.integrations.ddp.lifecycle import end_process_group
 
     torch.set_num_threads(1)
     env = os.environ
@@ -384,15 +384,10 @@ def rank_main(args: argparse.Namespace) -> int:
             if args.json:     # rewritten after each section: a long run keeps what it has
                 with open(args.json, "w") as f:
                     json.dump(doc, f, indent=1)
-        # no rank tears gloo down while a peer still talks (it aborts): a tensor
-        # collective, not a barrier, whose work would keep the works before it alive in
-        # gloo's workers at exit; its tensor released while Python runs (bench/RESULTS.md,
-        # "Exit aborts")
-        last = torch.zeros(1)
-        dist.all_reduce(last)
-        wait_released(last)
-    finally:
-        dist.destroy_process_group()
+        end_process_group()     # every rank here, then torn down (bench/RESULTS.md,
+    finally:                    # "Exit aborts")
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return 0
 
 

@@ -302,17 +302,11 @@ def _worker(kind: str, path: str, qualname: str, args: str) -> None:
     value = fn(*json.loads(args))
     print("RESULT " + json.dumps({"rank": rank, "value": value}), flush=True)
     if kind == "torch":
-        import torch
+        from gradcomm.integrations.ddp.lifecycle import end_process_group
 
-        from gradcomm.integrations.ddp.lifecycle import wait_released
-
-        # no teardown while a peer still talks (gloo aborts); a tensor collective, not a
-        # barrier, whose tensor gloo's workers let go of while Python still runs (a
-        # barrier's work keeps the works before it: bench/RESULTS.md, "Exit aborts")
-        last = torch.zeros(1)
-        dist.all_reduce(last)
-        wait_released(last)
-        dist.destroy_process_group()
+        # no teardown while a peer still talks (gloo aborts), and not after a barrier
+        # (bench/RESULTS.md, "Exit aborts")
+        end_process_group()
 
 
 if __name__ == "__main__":

@@ -106,6 +106,34 @@ def wait_released(*tensors: Any, timeout: float = 10.0) -> bool:
     return True
 
 
+def end_process_group(timeout: float = 10.0) -> bool:
+    """End a script's torch.distributed run on every rank of the default group: a
+    one-element ``all_reduce`` (so no rank tears gloo down while a peer still talks to
+    it), :func:`wait_released` of its tensor, then ``destroy_process_group()``. Not a
+    barrier: a barrier's work keeps the works still running when it started alive in
+    gloo's workers, and their tensors may then be freed during interpreter shutdown
+    (the abort :func:`wait_released` describes). Returns what :func:`wait_released`
+    returned (False: the tensor was still held after ``timeout`` seconds).
+
+    Example:
+        >>> import os, tempfile, torch.distributed as dist
+        >>> store = os.path.join(tempfile.mkdtemp(), "store")
+        >>> dist.init_process_group("gloo", init_method=f"file://{store}", rank=0,
+        ...                         world_size=1)
+        >>> end_process_group(), dist.is_initialized()
+        (True, False)
+    """
+    import torch
+    import torch.distributed as dist
+
+    last = torch.zeros(1)
+    dist.all_reduce(last)
+    try:
+        return wait_released(last, timeout=timeout)
+    finally:
+        dist.destroy_process_group()
+
+
 def _install() -> None:
     global _installed, _original
     with _LOCK:
@@ -131,4 +159,5 @@ def _install() -> None:
     dist.destroy_process_group = destroy_process_group
 
 
-__all__ = ["close_all", "close_using", "destroy_group", "forget", "register", "wait_released"]
+__all__ = ["close_all", "close_using", "destroy_group", "end_process_group", "forget", "register",
+           "wait_released"]

@@ -497,12 +497,9 @@ def main() -> None:
     INFO["seconds"] = times
     print("RESULT " + json.dumps({"rank": dist.get_rank(), "errors": ERRORS, "info": INFO}),
           flush=True)
-    from gradcomm.integrations.ddp.lifecycle import wait_released
+    from gradcomm.integrations.ddp.lifecycle import end_process_group
 
-    last = torch.zeros(1)       # not a barrier, which keeps the works before it alive at
-    dist.all_reduce(last)       # exit: a tensor gloo lets go of while Python runs
-    wait_released(last)         # (bench/RESULTS.md, "Exit aborts"; tests/_launch.py)
-    dist.destroy_process_group()
+    end_process_group()         # not a barrier (bench/RESULTS.md, "Exit aborts")
 
 
 if __name__ == "__main__":

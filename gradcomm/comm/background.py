@@ -113,11 +113,6 @@ def background(*jobs: Job | None) -> Iterator[None]:
             j.finish()
 
 
-def pending() -> bool:
-    """Whether this thread has background work left (a cheap test for the waits)."""
-    return any(not j.done for j in JOBS.get())
-
-
 def step() -> bool:
     """Run one slice of this thread's first unfinished job; False if none was left."""
     for j in JOBS.get():
@@ -127,4 +122,4 @@ def step() -> bool:
     return False
 
 
-__all__ = ["JOBS", "Job", "Prefault", "background", "pending", "step"]
+__all__ = ["JOBS", "Job", "Prefault", "background", "step"]

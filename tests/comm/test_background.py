@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from gradcomm.comm import run_ranks
-from gradcomm.comm.background import Job, background, pending, step
+from gradcomm.comm.background import JOBS, Job, background, step
 from gradcomm.comm.base import poll
 from gradcomm.errors import DeadlineError
 from tests._launch import mpi_call, require_mpi, require_torch, torch_call
@@ -34,11 +34,11 @@ class Slices(Job):
 def test_required_jobs_finish_at_the_end_and_optional_ones_are_dropped() -> None:
     need, extra = Slices(5), Slices(5, required=False)
     with background(need, None, extra):
-        assert pending()
+        assert JOBS.get() == (need, extra)                     # None entries skipped
         assert step() and need.ran == 1 and extra.ran == 0     # first job first
     assert need.ran == 5 and need.done
     assert extra.ran == 0 and not extra.done
-    assert not pending() and not step()                        # nothing outlives the block
+    assert JOBS.get() == () and not step()                     # nothing outlives the block
 
 
 def test_after_an_exception_nothing_more_runs() -> None:
@@ -47,7 +47,7 @@ def test_after_an_exception_nothing_more_runs() -> None:
         with background(job):
             step()
             raise KeyError("x")
-    assert job.ran == 1 and not pending()
+    assert job.ran == 1 and JOBS.get() == ()
 
 
 def test_an_inner_block_finishes_its_own_jobs_and_the_outer_ones_come_first() -> None:

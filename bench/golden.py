@@ -280,10 +280,9 @@ def _worker(wire: str, what: str) -> None:
     print("RESULT " + json.dumps({"rank": t.rank if what != "ddp" else _rank(),
                                   "digests": res}), flush=True)
     if wire == "gloo":
-        import torch.distributed as dist
+        from gradcomm.integrations.ddp.lifecycle import end_process_group
 
-        dist.barrier()
-        dist.destroy_process_group()
+        end_process_group()
 
 
 def _rank() -> int:

@@ -196,4 +196,5 @@ def trip(cfg: str) -> dict:
 
 trips = {cfg: trip(cfg) for cfg in CONFIGS}
 print("RESULT " + json.dumps({"rank": dist.get_rank(), "trips": trips}), flush=True)
-dist.destroy_process_group()
+from gradcomm.integrations.ddp.lifecycle import end_process_group  # noqa: E402
+end_process_group()

@@ -299,11 +299,14 @@ def _run_torch(args: argparse.Namespace) -> int:
     plan = make_plan(args, base.name)
     import torch.distributed as dist
 
+    from ..integrations.ddp.lifecycle import end_process_group
+
     try:
         status = rank_main(t, args, plan, base, "torchrun")
-        dist.barrier()    # no rank tears gloo down while a peer still talks (it aborts)
+        end_process_group()     # no rank tears gloo down while a peer still talks
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return status
 
 

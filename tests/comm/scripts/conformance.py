@@ -100,11 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     res = run_matrix(t, small=args.small, large=args.large,
                      algorithms=[a for a in args.algorithms.split(",") if a])
     print("RESULT " + json.dumps(res), flush=True)
-    t.barrier()
     if args.launcher == "torch":
-        import torch.distributed as dist
+        from gradcomm.integrations.ddp.lifecycle import end_process_group
 
-        dist.destroy_process_group()
+        end_process_group()
+    else:
+        t.barrier()
     return 0
 
 

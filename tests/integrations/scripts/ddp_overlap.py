@@ -109,7 +109,9 @@ def main() -> None:
               f"overlapped hook {b['overlapped']} ms; communication {b['comm_overlapped']} "
               f"ms/iter, of which {hidden:.0%} hidden behind compute", flush=True)
     print("RESULT " + json.dumps(res), flush=True)
-    dist.destroy_process_group()
+    from gradcomm.integrations.ddp.lifecycle import end_process_group
+
+    end_process_group()
 
 
 if __name__ == "__main__":

@@ -138,9 +138,9 @@ def main(argv: list[str] | None = None) -> int:
                 compressor=args.compressor)
     print("RESULT " + json.dumps(res), flush=True)
     if args.launcher == "torch":
-        import torch.distributed as dist
+        from gradcomm.integrations.ddp.lifecycle import end_process_group
 
-        dist.destroy_process_group()
+        end_process_group()
     return 0
 
 

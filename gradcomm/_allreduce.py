@@ -23,7 +23,7 @@ from .comm import get_transport
 from .comm.background import background
 from .compressed.auto import auto_route
 from .compressed.guard import DEFAULT_BOUND, Guard, SqNorm
-from .compressed.routes import reads_src
+from .compressed.routes import reads_src, residuals_show_result
 from .errors import ConfigError
 
 
@@ -209,7 +209,7 @@ class Allreduce:
             self.error_feedback.enabled or self.compressor.name == "powersgd") else None
         self._transport: Any = None
         #: (count, ranks) -> whether the route reads the input where it lies (_reads)
-        self._routes: dict[tuple[int, int], bool] = {}
+        self._routes: dict[tuple[int, int, str], str] = {}
 
     @property
     def transport(self) -> Any:
@@ -258,24 +258,32 @@ class Allreduce:
             # the tally is the residuals' norm if it saw every one of their elements once
             e2 = float(tally[0]) if tally is not None and \
                 tally[1] == sum(arrays.size(e) for e in residuals) else None
-            if guard.check(t, key, residuals, buf, same=True, e2=e2):
+            shown = e2 is not None and tally[1] > 0 and ef.enabled and \
+                residuals_show_result(self._route(t, arrays.size(buf), meta.dtype))
+            if guard.check(t, key, residuals, buf, same=True, e2=e2, shown=shown):
                 ef.clear(key)
         return arrays.from_flat(buf, meta)
 
     def _reads(self, t: Any, n: int) -> bool:
         """Whether a float32 host call of ``n`` elements takes a route that reads its
-        input where it lies (:func:`~gradcomm.compressed.routes.reads_src`; ``auto``
-        resolved as it will be, once per count and rank count): then the guard's input
-        norm is a pass of its own, in the ranks' waits; else the copy takes it."""
-        got = self._routes.get((n, t.size))
+        input where it lies (:func:`~gradcomm.compressed.routes.reads_src`): then the
+        guard's input norm is a pass of its own, in the ranks' waits; else the copy
+        takes it."""
+        c = self.compressor
+        return c is not None and t.size > 1 and \
+            reads_src(c, self.op, self._route(t, n, "float32"))
+
+    def _route(self, t: Any, n: int, dtype: str) -> str:
+        """The route of a compressed call of ``n`` elements of ``dtype`` (``auto``
+        resolved as it will be, once per count, rank count and dtype)."""
+        got = self._routes.get((n, t.size, dtype))
         if got is None:
-            c, route = self.compressor, self.algorithm
-            if c is not None and route == "auto" and t.size > 1:
-                route = auto_route(t, c, n, "float32")
-            got = c is not None and t.size > 1 and reads_src(c, self.op, route)
+            c, got = self.compressor, self.algorithm
+            if c is not None and got == "auto" and t.size > 1:
+                got = auto_route(t, c, n, dtype)
             if len(self._routes) >= 64:
                 self._routes.clear()
-            self._routes[(n, t.size)] = got
+            self._routes[(n, t.size, dtype)] = got
         return got
 
     def _signature(self) -> str:

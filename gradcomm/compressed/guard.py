@@ -235,7 +235,7 @@ class Guard:
 
     def check(self, t: Transport, key: str, residuals: Sequence[Any], out: Any, *,
               same: bool = False, agree: Agreement | None = None,
-              e2: float | None = None) -> str | None:
+              e2: float | None = None, shown: bool = False) -> str | None:
         """Collective: whether any rank must reset ``key`` (``"nonfinite"``,
         ``"over_bound"``) or None. Counts and warns; the caller resets. With ``clip``
         set, :attr:`factor` is then the factor the caller scales ``out`` by (1.0: none).
@@ -248,13 +248,16 @@ class Guard:
         :func:`agreement` of ``t`` resolved once by a caller that checks often (None:
         decided here, per call). ``e2``: the residuals' summed :func:`sq_norm`, if the
         caller has it (the codecs' tally of this reduction, :attr:`ResidualStore.tally`);
-        None: computed here from ``residuals``."""
+        None: computed here from ``residuals``. ``shown`` (with ``e2``): a non-finite
+        element of ``out`` would show as a non-finite residual on some rank
+        (:func:`~.routes.residuals_show_result`), so without ``clip`` ``out`` is not
+        read: the same decision, a pass fewer."""
         g2 = self._pending.pop(key, 0.0)
         part = out
         if same and t.size > 1 and self.clip is None:
             n = out.shape[0]
             part = out[t.rank * n // t.size:(t.rank + 1) * n // t.size]
-        out2 = sq_norm(part)
+        out2 = 0.0 if shown and e2 is not None and self.clip is None else sq_norm(part)
         if e2 is None:
             e2 = sum(sq_norm(e) for e in residuals)
         bad_e, over = self.flags(key, e2)

@@ -359,6 +359,23 @@ def reads_src(codec: Compressor, op: str, route: str) -> bool:
     return op == "sum" and route in ("ring", "allgather", "sparse_allgather")
 
 
+def residuals_show_result(route: str) -> bool:
+    """Whether, with error feedback, a non-finite element of ``route``'s result shows as
+    a non-finite residual on some rank. On the ring every element of the result is the
+    decoded value ``d`` of a finished segment's last encode, whose residual is
+    ``y - d``: a non-finite ``d`` from a finite ``y`` leaves an infinite residual, and a
+    non-finite ``y`` a non-finite one. The divergence guard then needs no pass of its
+    own over the result (:meth:`~.guard.Guard.check`, ``shown``). Not so where decoded
+    values are summed after the last encode (the gathered routes: finite values may
+    overflow), nor on recursive doubling, tree or Rabenseifner.
+
+    Example:
+        >>> residuals_show_result("ring"), residuals_show_result("allgather")
+        (True, False)
+    """
+    return route == "ring"
+
+
 def feeds_back(t: Transport, route: str, codec: Compressor, ef: ResidualStore | None
                ) -> bool:
     """Whether :func:`run` applies ``ef``'s residuals with ``codec`` on ``route``: an

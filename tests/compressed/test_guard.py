@@ -74,6 +74,50 @@ def test_inf_and_a_residual_past_the_bound_reset_too():
         assert all(finite) and stats["guard_over_bound"] == 1, stats
 
 
+@pytest.mark.parametrize("codec", ["fp16", "int8", "onebit", "topk"])
+def test_on_the_ring_the_residuals_show_a_result_that_overflows(codec, monkeypatch):
+    """On the ring with error feedback the guard reads no result (``shown``: each result
+    element is a last encode's decoded value, with a residual beside it), yet a result
+    that overflows from finite inputs is still caught on every rank: fp16 sums of 40000
+    from three ranks pass 65504, the others' of 3e38 pass float32. The step after is
+    finite everywhere, and the ring with ``shown`` was really taken (the spy), while
+    allgather reads its result."""
+    from gradcomm.compressed import guard as guard_mod
+
+    big = 40000.0 if codec == "fp16" else 3e38
+    seen = []
+    check = guard_mod.Guard.check
+
+    def spy(self, *a, shown=False, **kw):
+        seen.append(shown)
+        return check(self, *a, shown=shown, **kw)
+
+    monkeypatch.setattr(guard_mod.Guard, "check", spy)
+
+    def fn(t):
+        ar = gradcomm.Allreduce(t, op="sum", compressor=codec, algorithm="ring",
+                                **CODECS[codec])
+        rng = np.random.default_rng(t.rank)
+        finite = []
+        for s in range(4):
+            x = rng.standard_normal(3001).astype(np.float32)
+            if s == 1:
+                x[1500:1600] = big                 # every rank: finite, the sum is not
+            y = ar(x, key="w")
+            finite.append(bool(np.isfinite(y).all()))
+        return finite, dict(ar.guard.stats)
+
+    res = run_ranks(3, fn)
+    for finite, stats in res:
+        assert finite[0] and all(finite[2:]), finite
+        assert stats["guard_nonfinite"] >= 1, stats
+    assert all(seen) and len(seen) == 12, seen
+    seen.clear()
+    run_ranks(2, lambda t: gradcomm.Allreduce(t, compressor=codec, algorithm="allgather",
+                                              **CODECS[codec])(np.ones(5, np.float32)))
+    assert seen == [False, False]
+
+
 def test_guard_warns():
     with pytest.warns(GuardWarning, match="reset on every rank"):
         _run("fp16", "auto", 1, guard=True)

@@ -313,6 +313,24 @@ class Frames:
         """``seg += decode(data)``, validated."""
         self.decode_add_payload(self.payload(data, arrays.size(seg)), seg)
 
+    def decode_onto(self, data: np.ndarray, seg: np.ndarray, base: np.ndarray) -> None:
+        """``seg = decode(data) + base`` (``base`` only read), validated: the bytes of
+        copying ``base`` into ``seg``, then :meth:`decode_add`; in one pass where the
+        codec declares ``decodes_onto``."""
+        payload = self.payload(data, arrays.size(seg))
+        if not self.codec.decodes_onto:
+            arrays.assign(seg, base)
+            self.decode_add_payload(payload, seg)
+            return
+        try:
+            res = self.codec.decompress_onto(payload, base, seg)
+        except PayloadError:
+            raise
+        except (ValueError, TypeError, IndexError, KeyError, OverflowError) as exc:
+            raise PayloadError(f"{self.codec.name} payload does not decode: {exc}") from None
+        if res is not seg:
+            raise PayloadError(f"{self.codec.name} did not decode into the given out=")
+
     def decode_add_payload(self, payload: Payload, seg: np.ndarray) -> None:
         """``seg += decode(payload)`` (fused when the codec decodes with ``add=True``)."""
         if not self._add:

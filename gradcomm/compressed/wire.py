@@ -109,14 +109,16 @@ class CompressedWire:
 
     def reduce(self, recv: np.ndarray, seg: np.ndarray, recv_first: bool,
                mine: np.ndarray | None = None) -> None:
-        """``seg += decode(recv)``; with ``mine`` (``src``'s view of the segment), ``seg``
-        takes ``mine`` first: the bytes of the in-place ring."""
+        """``seg += decode(recv)``; with ``mine`` (``src``'s view of the segment),
+        ``seg = decode(recv) + mine``: the bytes of the in-place ring (in one pass where
+        the codec decodes onto another array)."""
         off, n = self._offset(seg), arrays.size(seg)
         self._forget(off, off + n)
         (_, _, data), = self.frames.parts(recv, n, 1)
         if mine is not None:
-            arrays.assign(seg, mine)
-        self.frames.decode_add(data, seg)
+            self.frames.decode_onto(data, seg, mine)
+        else:
+            self.frames.decode_add(data, seg)
 
     def final(self, seg: np.ndarray) -> np.ndarray:
         off, n = self._offset(seg), arrays.size(seg)

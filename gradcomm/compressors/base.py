@@ -114,6 +114,9 @@ class Compressor(ABC):
     #: ``decompress(p, out=y, add=True)`` adds in the decoding pass (``y = decoded + y``);
     #: else a caller decodes into scratch and adds
     decodes_add: ClassVar[bool] = False
+    #: :meth:`decompress_onto` adds another array in the decoding pass
+    #: (``y = decoded + base``, ``base`` only read)
+    decodes_onto: ClassVar[bool] = False
     #: entry points pass ``shape=`` (of a 2+-dimensional input) to the collective, which
     #: views a part by its shape
     uses_shape: ClassVar[bool] = False
@@ -199,6 +202,12 @@ class Compressor(ABC):
         payloads all have one header and buffer layout (None: this codec, or these
         options, do not plan; callers then use :meth:`compress` and :meth:`decompress`)."""
         return None
+
+    def decompress_onto(self, payload: Payload, base: Any, out: Any) -> Any:
+        """``out = decoded + base`` for codecs that declare ``decodes_onto``: the bytes
+        of copying ``base`` into ``out``, then ``decompress(payload, out, add=True)``,
+        in one pass (``out``'s contents are not read, ``base`` is not written)."""
+        raise UnsupportedError(f"compressor {self.name!r} does not declare decodes_onto")
 
     def to_sparse(self, payload: Payload, out: Any = None
                   ) -> tuple[int, np.dtype, Any, Any]:

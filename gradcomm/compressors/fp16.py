@@ -35,6 +35,7 @@ class Fp16Compressor(Compressor):
     reuses_out = True
     fuses_feedback = True
     decodes_add = True
+    decodes_onto = True
 
     def _encode(self, x: Any, seed: Any, out: Payload | None, fk: Any, residual: Any,
                 decoded: Any) -> Payload:
@@ -69,6 +70,19 @@ class Fp16Compressor(Compressor):
             tmp = _kernels.f32_target(out)
             k.f16_to_f32(bitcast(v, "uint16"), tmp, add and tmp is out)
             _kernels.f32_finish(tmp, out, k, add)
+        return out
+
+    def decompress_onto(self, payload: Payload, base: Any, out: Any) -> Any:
+        """``out = decoded + base`` (see :meth:`Compressor.decompress_onto`): one kernel
+        pass for float32 ``out`` and ``base``, else the copy and the decode-and-add."""
+        r = Reader(payload, self.name, ("n", "dt"), ("v",), out)
+        dt, n = r.dtype(), r.int("n", 0, 1 << 62)
+        v = r.buffer("v", "float16", n)
+        if dt != np.float32 or dtype_name(out) != "float32" or \
+                dtype_name(base) != "float32" or size(out) != n or size(base) != n:
+            assign(out, base)
+            return self.decompress(payload, out, add=True)
+        _kernels.for_array(out).f16_to_f32(bitcast(v, "uint16"), out, True, base)
         return out
 
     def max_nbytes(self, n: int, dtype: str = "float32") -> int:

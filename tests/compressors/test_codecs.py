@@ -113,6 +113,32 @@ def test_bf16_exact_where_representable() -> None:
     assert np.all(np.abs(c.decompress(c.compress(x)) - x) <= np.abs(x) * 2.0 ** -8)
 
 
+@pytest.mark.parametrize("name", [n for n in names() if get(n).decodes_onto])
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+def test_decompress_onto_is_the_copy_then_the_decode_add(name: str, dtype: str) -> None:
+    """``decompress_onto(p, base, out)``: ``out`` ends as copying ``base`` into it and
+    ``decompress(p, out, add=True)`` leaves it, ``base`` untouched (one pass for float32,
+    the two steps for other dtypes); codecs that do not declare it say so."""
+    from gradcomm.errors import UnsupportedError
+
+    assert sorted(n for n in names() if get(n).decodes_onto) == ["bf16", "fp16"]
+    c, rng = get(name), np.random.default_rng(5)
+    for n in (0, 1, 9, 70_001):
+        x = (rng.standard_normal(n) * 300).astype(dtype)
+        base = (rng.standard_normal(n) * 300).astype(dtype)
+        if n > 8:
+            x[3], x[5], base[4], base[5] = np.nan, np.inf, -np.inf, np.nan
+        p, keep = c.compress(x), base.copy()
+        want = base.copy()
+        c.decompress(p, out=want, add=True)
+        got = np.full(n, 7, dtype)
+        assert c.decompress_onto(p, base, got) is got
+        assert got.tobytes() == want.tobytes() and base.tobytes() == keep.tobytes(), n
+    with pytest.raises(UnsupportedError, match="decodes_onto"):
+        get("int8").decompress_onto(get("int8").compress(np.ones(3, np.float32)),
+                                    np.ones(3, np.float32), np.ones(3, np.float32))
+
+
 def test_int8_exact_cases_and_error_bound() -> None:
     c = get("int8", bits=8, bucket_size=64)
     x = np.repeat(np.float32([3.25, -1.0, 0.0]), 64)                   # constant buckets

@@ -122,6 +122,27 @@ def test_half_casts_match_numpy_and_each_other() -> None:
     assert same(y_np, y_nb)
 
 
+@pytest.mark.parametrize("widen", ["f16_to_f32", "bf16_to_f32"])
+def test_widen_and_add_onto_another_array(widen: str) -> None:
+    """``widen(h, out, add=True, base=b)`` is ``out = widen(h) + b`` with ``b`` untouched:
+    on both paths, the bytes of copying ``b`` into ``out`` and adding there (NaN, inf,
+    -0.0 and subnormals among both operands; ``out`` starts as garbage)."""
+    rng = np.random.default_rng(3)
+    for n in COUNTS + (70_001,):
+        h = rng.integers(0, 65536, n, dtype=np.uint64).astype(np.uint16)
+        b = specials(n, np.nan, n)
+        if n > 8:
+            b[1::7] = np.inf
+            h[2::5] = 0x7C00 if widen == "f16_to_f32" else 0x7F80         # +inf
+        keep = b.copy()
+        for impl in (NP, NB):
+            want = b.copy()
+            getattr(impl, widen)(h, want, True)
+            got = np.full(n, 7.0, np.float32)
+            getattr(impl, widen)(h, got, True, b)
+            assert same(got, want) and same(b, keep), (impl.NAME, n)
+
+
 INPUTS = [("nasty", 0.0), ("nan", np.nan), ("inf", np.inf), ("-inf", -np.inf), ("huge", 3e38),
           ("zeros", None)]
 

@@ -391,10 +391,10 @@ def _f16_to_f32(h, out):
 
 
 @njit(**_JIT)
-def _f16_to_f32_add(h, out):
+def _f16_to_f32_add(h, base, out):
     # a NaN sum is some NaN (its payload is not canonicalised: the loop vectorizes)
     for i in range(h.size):
-        out[i] = _f16_bits_to_f32(h[i]) + out[i]
+        out[i] = _f16_bits_to_f32(h[i]) + base[i]
 
 
 def _probe_f16() -> bool:
@@ -423,15 +423,18 @@ def f32_to_f16(x, out):
         _numpy.f32_to_f16(x, out)
 
 
-def f16_to_f32(h, out, add=False):
-    """``out = widen(h)`` (``out = widen(h) + out`` with ``add``)."""
+def f16_to_f32(h, out, add=False, base=None):
+    """``out = widen(h)`` (``out = widen(h) + base`` with ``add``; ``base`` defaults to
+    ``out``)."""
     if not _F16_OK:
         _F16_OK.append(_probe_f16())
-    if _F16_OK[0]:
-        (_f16_to_f32_add if add else _f16_to_f32)(h, out)
-    else:                                                # pragma: no cover
+    if not _F16_OK[0]:                                   # pragma: no cover
         from . import _numpy
-        _numpy.f16_to_f32(h, out, add)
+        _numpy.f16_to_f32(h, out, add, base)
+    elif add:
+        _f16_to_f32_add(h, out if base is None else base, out)
+    else:
+        _f16_to_f32(h, out)
 
 
 def f32_to_bf16(x, out):
@@ -451,14 +454,18 @@ def _bf16_widen(h):
 
 
 @njit(**_JIT)
-def _bf16_to_f32_add(h, out):
+def _bf16_to_f32_add(h, base, out):
     for i in range(h.size):
-        out[i] = _bf16_widen(h[i]) + out[i]
+        out[i] = _bf16_widen(h[i]) + base[i]
 
 
-def bf16_to_f32(h, out, add=False):
-    """``out = widen(h)`` (``out = widen(h) + out`` with ``add``)."""
-    (_bf16_to_f32_add if add else _bf16_to_f32)(h, out)
+def bf16_to_f32(h, out, add=False, base=None):
+    """``out = widen(h)`` (``out = widen(h) + base`` with ``add``; ``base`` defaults to
+    ``out``)."""
+    if add:
+        _bf16_to_f32_add(h, out if base is None else base, out)
+    else:
+        _bf16_to_f32(h, out)
 
 
 # --- bucket statistics ------------------------------------------------------------------

@@ -226,14 +226,16 @@ def f32_to_f16(x: np.ndarray, out: np.ndarray) -> None:
 
 
 @_quiet
-def f16_to_f32(h: np.ndarray, out: np.ndarray, add: bool = False) -> None:
+def f16_to_f32(h: np.ndarray, out: np.ndarray, add: bool = False,
+               base: np.ndarray | None = None) -> None:
     """Widen float16 bits to float32 (exact; NaN becomes the canonical quiet NaN);
-    ``add``: ``out = widen(h) + out``."""
+    ``add``: ``out = widen(h) + base`` (``base`` defaults to ``out``)."""
     if add:
+        base = out if base is None else base
         for s, m in _chunks(h.size, 8):
             tmp = np.empty(m, np.float32)
             f16_to_f32(h[s:s + m], tmp)
-            np.add(tmp, out[s:s + m], out=out[s:s + m])
+            np.add(tmp, base[s:s + m], out=out[s:s + m])
         return
     out[...] = h.view(np.float16)
     nan = (h & np.uint16(0x7C00)) == 0x7C00
@@ -253,12 +255,15 @@ def f32_to_bf16(x: np.ndarray, out: np.ndarray) -> None:
 
 
 @_quiet
-def bf16_to_f32(h: np.ndarray, out: np.ndarray, add: bool = False) -> None:
-    """Widen bfloat16 bits to float32 (exact); ``add``: ``out = widen(h) + out``."""
+def bf16_to_f32(h: np.ndarray, out: np.ndarray, add: bool = False,
+                base: np.ndarray | None = None) -> None:
+    """Widen bfloat16 bits to float32 (exact); ``add``: ``out = widen(h) + base``
+    (``base`` defaults to ``out``)."""
     if add:
+        base = out if base is None else base
         for s, m in _chunks(h.size, 8):
             wide = (h[s:s + m].astype(np.uint32) << 16).view(np.float32)
-            np.add(wide, out[s:s + m], out=out[s:s + m])
+            np.add(wide, base[s:s + m], out=out[s:s + m])
         return
     out.view(np.uint32)[...] = h.astype(np.uint32) << 16
 

@@ -49,14 +49,14 @@ class Kernels(Protocol):
     def f32_to_f16(self, x: Any, out: Any) -> None:
         """IEEE half bits (uint16) of float32 ``x``, NaN canonical."""
 
-    def f16_to_f32(self, h: Any, out: Any, add: bool = False) -> None:
-        """float32 of half bits ``h``."""
+    def f16_to_f32(self, h: Any, out: Any, add: bool = False, base: Any = None) -> None:
+        """float32 of half bits ``h`` (``add``: plus ``base``, default ``out``)."""
 
     def f32_to_bf16(self, x: Any, out: Any) -> None:
         """bfloat16 bits (uint16) of float32 ``x``, rounded to nearest even."""
 
-    def bf16_to_f32(self, h: Any, out: Any, add: bool = False) -> None:
-        """float32 of bfloat16 bits ``h``."""
+    def bf16_to_f32(self, h: Any, out: Any, add: bool = False, base: Any = None) -> None:
+        """float32 of bfloat16 bits ``h`` (``add``: plus ``base``, default ``out``)."""
 
     def finite16(self, h: Any, bf16: bool = False) -> bool:
         """Whether every half (``bf16``: bfloat16) of bits ``h`` is finite: what widening

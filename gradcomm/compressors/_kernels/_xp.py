@@ -57,13 +57,15 @@ def _assign(out: Any, v: Any) -> None:
     out[...] = v
 
 
-def _put(v: Any, out: Any, add: bool, nan: Any = None, nan_v: Any = None) -> None:
-    """``out = v`` or, with ``add``, ``out = v + out``; then, where ``nan``, ``nan_v``:
+def _put(v: Any, out: Any, add: bool, nan: Any = None, nan_v: Any = None,
+         base: Any = None) -> None:
+    """``out = v`` or, with ``add``, ``out = v + base`` (``base`` defaults to ``out``);
+    then, where ``nan``, ``nan_v``:
     the NaN bits x86 arithmetic gives the reference (CUDA gives its canonical NaN). Where
     ``v`` and ``out`` are both NaN the reference itself is not consistent (numpy's vector
     loop keeps the first operand's bits, its scalar tail the second's)."""
     if add:
-        v = v + out
+        v = v + (out if base is None else base)
     if nan is not None:
         v = arrays.namespace(v).where(nan, nan_v, v)
     _assign(out, v)
@@ -232,16 +234,16 @@ def f32_to_f16(x: Any, out: Any) -> None:
 
 
 @_kernel
-def f16_to_f32(h: Any, out: Any, add: bool = False) -> None:
+def f16_to_f32(h: Any, out: Any, add: bool = False, base: Any = None) -> None:
     """Widen float16 bits (uint16) to float32 (exact; NaN becomes the canonical quiet NaN
-    with its sign); ``add``: ``out = widen(h) + out``."""
+    with its sign); ``add``: ``out = widen(h) + base`` (``base`` defaults to ``out``)."""
     xp, dev = arrays.namespace(h), _dev(h)
     w = xp.astype(arrays.bitcast(h, "float16"), xp.float32)
     u = _u16(h)
     nan = ((u & 0x7C00) == 0x7C00) & ((u & 0x3FF) != 0)
     canon = xp.where(u >= 0x8000, _const(xp, -0x400000, xp.int32, dev),   # 0xFFC00000
                      _const(xp, 0x7FC00000, xp.int32, dev))
-    _put(w, out, add, nan, arrays.bitcast(canon, "float32"))
+    _put(w, out, add, nan, arrays.bitcast(canon, "float32"), base)
 
 
 @_kernel
@@ -256,13 +258,14 @@ def f32_to_bf16(x: Any, out: Any) -> None:
 
 
 @_kernel
-def bf16_to_f32(h: Any, out: Any, add: bool = False) -> None:
-    """Widen bfloat16 bits (uint16) to float32 (exact); ``add``: ``out = widen(h) + out``."""
+def bf16_to_f32(h: Any, out: Any, add: bool = False, base: Any = None) -> None:
+    """Widen bfloat16 bits (uint16) to float32 (exact); ``add``: ``out = widen(h) + base``
+    (``base`` defaults to ``out``)."""
     xp = arrays.namespace(h)
     wide = arrays.bitcast(xp.astype(arrays.bitcast(h, "int16"), xp.int32) * 65536,
                           "float32")                                  # = bits << 16
     if add:
-        _put(wide, out, add, xp.isnan(wide), _quieted(wide))
+        _put(wide, out, add, xp.isnan(wide), _quieted(wide), base)
     else:
         _assign(out, wide)
 

@@ -208,7 +208,7 @@ class Allreduce:
         self.guard = Guard(residual_bound) if guard and lossy and (
             self.error_feedback.enabled or self.compressor.name == "powersgd") else None
         self._transport: Any = None
-        #: (count, ranks) -> whether the route reads the input where it lies (_reads)
+        #: (count, ranks, dtype) -> the route a compressed call takes (_route)
         self._routes: dict[tuple[int, int, str], str] = {}
 
     @property

@@ -322,14 +322,7 @@ class Frames:
             arrays.assign(seg, base)
             self.decode_add_payload(payload, seg)
             return
-        try:
-            res = self.codec.decompress_onto(payload, base, seg)
-        except PayloadError:
-            raise
-        except (ValueError, TypeError, IndexError, KeyError, OverflowError) as exc:
-            raise PayloadError(f"{self.codec.name} payload does not decode: {exc}") from None
-        if res is not seg:
-            raise PayloadError(f"{self.codec.name} did not decode into the given out=")
+        self._into(lambda: self.codec.decompress_onto(payload, base, seg), seg)
 
     def decode_add_payload(self, payload: Payload, seg: np.ndarray) -> None:
         """``seg += decode(payload)`` (fused when the codec decodes with ``add=True``)."""
@@ -339,8 +332,13 @@ class Frames:
             with np.errstate(invalid="ignore", over="ignore"):
                 seg += dec                      # IEEE addition commutes: order-free
             return
+        self._into(lambda: self.codec.decompress(payload, out=seg, add=True), seg)
+
+    def _into(self, decode: Any, seg: np.ndarray) -> None:
+        """Run ``decode()``, which decodes into ``seg``: a payload the codec cannot read,
+        or a result elsewhere, is a PayloadError."""
         try:
-            res = self.codec.decompress(payload, out=seg, add=True)
+            res = decode()
         except PayloadError:
             raise
         except (ValueError, TypeError, IndexError, KeyError, OverflowError) as exc:

@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 
 from . import _kernels
-from ..arrays import assign, dtype_name, size
+from ..arrays import dtype_name, size
 from ._options import dtype_code
-from .base import Compressor, as_float32, need_out, reuse
+from .base import Compressor, as_float32, need_out, reuse, widen_onto
 from .payload import Payload, Reader, make_out, payload_nbytes
 
 
@@ -59,17 +59,9 @@ class Bf16Compressor(Compressor):
         return _kernels.f32_finish(tmp, out, k, add)
 
     def decompress_onto(self, payload: Payload, base: Any, out: Any) -> Any:
-        """``out = decoded + base`` (see :meth:`Compressor.decompress_onto`): one kernel
-        pass for float32 ``out`` and ``base``, else the copy and the decode-and-add."""
-        r = Reader(payload, self.name, ("n", "dt"), ("v",), out)
-        dt, n = r.dtype(), r.int("n", 0, 1 << 62)
-        v = r.buffer("v", "uint16", n)
-        if dt != np.float32 or dtype_name(out) != "float32" or \
-                dtype_name(base) != "float32" or size(out) != n or size(base) != n:
-            assign(out, base)
-            return self.decompress(payload, out, add=True)
-        _kernels.for_array(out).bf16_to_f32(v, out, True, base)
-        return out
+        """``out = decoded + base`` (:meth:`Compressor.decompress_onto`), one pass for
+        float32."""
+        return widen_onto(self, payload, base, out, "uint16", lambda k: k.bf16_to_f32)
 
     def max_nbytes(self, n: int, dtype: str = "float32") -> int:
         return payload_nbytes(self.name, {"n": n, "dt": dtype_code(dtype)}, [("v", "uint16", n)])

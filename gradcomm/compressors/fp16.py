@@ -23,7 +23,7 @@ from . import _kernels
 from ._kernels import _numpy
 from ..arrays import assign, bitcast, dtype_name, is_host, size
 from ._options import dtype_code
-from .base import Compressor, need_out, reuse
+from .base import Compressor, need_out, reuse, widen_onto
 from .payload import Payload, Reader, make_out, payload_nbytes
 
 
@@ -73,17 +73,9 @@ class Fp16Compressor(Compressor):
         return out
 
     def decompress_onto(self, payload: Payload, base: Any, out: Any) -> Any:
-        """``out = decoded + base`` (see :meth:`Compressor.decompress_onto`): one kernel
-        pass for float32 ``out`` and ``base``, else the copy and the decode-and-add."""
-        r = Reader(payload, self.name, ("n", "dt"), ("v",), out)
-        dt, n = r.dtype(), r.int("n", 0, 1 << 62)
-        v = r.buffer("v", "float16", n)
-        if dt != np.float32 or dtype_name(out) != "float32" or \
-                dtype_name(base) != "float32" or size(out) != n or size(base) != n:
-            assign(out, base)
-            return self.decompress(payload, out, add=True)
-        _kernels.for_array(out).f16_to_f32(bitcast(v, "uint16"), out, True, base)
-        return out
+        """``out = decoded + base`` (:meth:`Compressor.decompress_onto`), one pass for
+        float32."""
+        return widen_onto(self, payload, base, out, "float16", lambda k: k.f16_to_f32)
 
     def max_nbytes(self, n: int, dtype: str = "float32") -> int:
         return payload_nbytes(self.name, {"n": n, "dt": dtype_code(dtype)}, [("v", "float16", n)])

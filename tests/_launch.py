@@ -230,7 +230,22 @@ def mpirun(script: str | os.PathLike[str], n: int, *args: str, timeout: float = 
     cmd = [launcher, "-n", str(n), "--oversubscribe", *mpi_args, sys.executable, "-m",
            "mpi4py", str(script), *map(str, args)]
     run = _run([cmd], [launch_env(env)], timeout, grace=timeout)
+    if _launcher_did_not_start(run):            # no rank ran: launch once more
+        run = _run([cmd], [launch_env(env)], timeout, grace=timeout)
     return run.check() if check else run
+
+
+#: what Open MPI's launcher (PRRTE) prints when its PMIx server cannot start; seen twice
+#: in about 40 CI runs (bench/RESULTS.md, "Exit aborts"), on a machine whose network
+#: interfaces other jobs create and delete
+PMIX_NOT_STARTED = "The PMIx server's listener thread failed to start"
+
+
+def _launcher_did_not_start(run: Run) -> bool:
+    """Whether mpirun failed before it started any rank: its PMIx server did not come up
+    (:data:`PMIX_NOT_STARTED`), nothing reached stdout. Only such a launch is retried; a
+    rank's own failure never is."""
+    return run.returncode != 0 and PMIX_NOT_STARTED in run.stderr and not run.stdout.strip()
 
 
 def free_port() -> int:

@@ -145,6 +145,19 @@ def test_mpi_call_runs_a_function_on_every_rank() -> None:
                                                                  [2, 3, 30]]
 
 
+def test_only_a_launcher_that_started_no_rank_is_launched_again() -> None:
+    """tests/_launch.mpirun launches once more only when mpirun's PMIx server did not
+    start (its message on stderr, nothing on stdout); a rank's failure is never
+    retried."""
+    from tests._launch import PMIX_NOT_STARTED, Run, _launcher_did_not_start
+
+    banner = f"----\n{PMIX_NOT_STARTED}. We cannot\ncontinue.\n----\n"
+    assert _launcher_did_not_start(Run(["mpirun"], 213, "", banner, 0.0, [213]))
+    assert not _launcher_did_not_start(Run(["mpirun"], 213, "RESULT {}\n", banner, 1.0))
+    assert not _launcher_did_not_start(Run(["mpirun"], 1, "", "Traceback ...", 0.5))
+    assert not _launcher_did_not_start(Run(["mpirun"], 0, "", banner, 0.5))
+
+
 @pytest.mark.timeout(60)
 def test_a_hanging_launch_is_killed_with_all_its_ranks() -> None:
     require_mpi()

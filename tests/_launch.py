@@ -236,8 +236,7 @@ def mpirun(script: str | os.PathLike[str], n: int, *args: str, timeout: float = 
 
 
 #: what Open MPI's launcher (PRRTE) prints when its PMIx server cannot start; seen twice
-#: in about 40 CI runs (bench/RESULTS.md, "Exit aborts"), on a machine whose network
-#: interfaces other jobs create and delete
+#: in about 40 CI runs, before any rank ran (bench/RESULTS.md, "Exit aborts")
 PMIX_NOT_STARTED = "The PMIx server's listener thread failed to start"
 
 

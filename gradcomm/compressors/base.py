@@ -294,10 +294,8 @@ def compose(codec: Compressor, x: np.ndarray, seed: Any, out: Any, residual: Any
     tally) in one pass."""
     y = x
     with np.errstate(invalid="ignore", over="ignore"):  # inf - inf: NaN, by design
-        if residual is not None and tally is not None and tally.size > 2:
-            tally[2] += _kernels.for_array(x).sq_norm(x)
-            tally[3] += arrays.size(x)
         if residual is not None:
+            add_input_tally(tally, x)
             residual += x                               # IEEE addition commutes
             y = residual
         payload = codec.compress(y, seed=seed, out=out)  # type: ignore[call-arg]
@@ -327,6 +325,14 @@ def widen_onto(codec: Compressor, payload: Payload, base: Any, out: Any, bits: s
         return codec.decompress(payload, out, add=True)
     widen(_kernels.for_array(out))(arrays.bitcast(v, "uint16"), out, True, base)
     return out
+
+
+def add_input_tally(tally: np.ndarray | None, x: Any) -> None:
+    """``tally[2:4] += (sq_norm(x), x.size)`` of the input where ``tally`` has four
+    entries (:meth:`Compressor.compress`); no-op otherwise."""
+    if tally is not None and tally.size > 2:
+        tally[2] += _kernels.for_array(x).sq_norm(x)
+        tally[3] += arrays.size(x)
 
 
 def add_tally(tally: np.ndarray | None, e: Any) -> None:

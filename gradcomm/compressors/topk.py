@@ -29,7 +29,8 @@ import numpy as np
 from . import _kernels
 from ..arrays import assign, cast, dtype_name, size
 from ._options import dtype_code
-from .base import Compressor, add_tally, as_input, fused_kernels, need_out, reuse
+from .base import (Compressor, add_input_tally, add_tally, as_input, fused_kernels, need_out,
+                   reuse)
 from .payload import Payload, Reader, make_out, payload_nbytes
 from ..errors import ConfigError, PayloadError
 
@@ -96,9 +97,7 @@ class KeepsK(Compressor):
             fk = fused_kernels(x, residual, decoded, self.name)     # validates
         with np.errstate(invalid="ignore", over="ignore"):      # inf - inf: NaN, by design
             if residual is not None:
-                if tally is not None and tally.size > 2:    # the input's norm (tally[2:4])
-                    tally[2] += _kernels.for_array(x).sq_norm(x)
-                    tally[3] += size(x)
+                add_input_tally(tally, x)
                 idx, v, header, buffers = self._keep_added(x, residual, fk, seed, out)
                 x = residual
             else:

@@ -197,13 +197,13 @@ class _Run:
                                           check=check, **options)
 
     def _codec_contract(self, x: np.ndarray) -> int:
-        """All ``n`` elements when this rank's codec round trip does not shrink its input
-        (for codecs error feedback treats as contractions), else 0."""
+        """All ``n`` elements when this rank's codec round trip does not shrink its input,
+        for codecs that declare it does (``Compressor.contractive``; not those that only
+        take error feedback as ``feedback_stable``, such as TernGrad), else 0."""
         from .. import compressors
-        from ..error_feedback import contractive
 
         codec = compressors.get(self.v.compressor, **dict(self.v.options))
-        if not codec.lossy or not contractive(codec) or self.dtype not in (
+        if not codec.lossy or not codec.contractive or self.dtype not in (
                 "float32", "float64"):
             return 0
         y = np.array(x, copy=True)

@@ -488,3 +488,23 @@ def test_stochastic_and_stateful_codecs_replay_exactly_at_every_step():
     plan = Plan(sizes=[4096], variants=vs, iters=3, warmup=1, rounds=2)
     rows = run_ranks(3, lambda t: sweep(t, plan))[0]
     assert [(r.label, r.wrong, r.note) for r in rows] == [(v.label, 0, "") for v in vs]
+
+
+@pytest.mark.timeout(120)
+def test_every_codec_at_its_defaults_is_clean_in_the_bench(tmp_path):
+    """Each registered codec, with and without error feedback, checks clean: a codec
+    that is no contraction (TernGrad) is not held to one (``Compressor.contractive``)."""
+    from gradcomm import compressors
+
+    if importlib.util.find_spec("gradcomm.compressed") is None:
+        pytest.skip("no compressed routes in this checkout yet")
+    names = [n for n in compressors.names() if n != "none"]
+    out = tmp_path / "every.json"
+    code = main(["--transport", "threads", "--np", "3", "--sizes", "4K", "--iters", "2",
+                 "--warmup", "1", "--rounds", "1", "--algorithms", "auto",
+                 "--compressors", ",".join(names), "--no-baseline", "--no-progress",
+                 "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["label"], r["wrong"]) for r in rows} == {
+        (f"auto+{n}{e}", 0) for n in names for e in ("", "+ef")}, rows
+    assert code == 0

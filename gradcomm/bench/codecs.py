@@ -1,7 +1,9 @@
 """Codec throughput: encode and decode time of every compressor next to a plain memory copy.
 
 ``python -m gradcomm.bench.codecs`` prints one row per codec for one array (16 Mi float32 by
-default): encode and decode milliseconds and GB/s (of input bytes), their sum over the time
+default): encode and decode milliseconds and GB/s (of input bytes), the decode-add's
+milliseconds (``decompress(add=True)``, what a reduction's sum runs: the same pass as the
+decode, so a slower one shows a kernel gone wrong), encode + decode over the time
 of ``np.copyto`` of the same array into a preallocated buffer (measured in the same run,
 interleaved with the codec's own repeats, so a busy machine slows both), wire bytes, the
 compression ratio and the relative error ``||x - C(x)|| / ||x||``. Encoding reuses the
@@ -85,7 +87,7 @@ def codec_throughput(n: int = 16 * 2 ** 20, names: Sequence[str] | None = None,
         p = codec.compress(x, seed=(seed, 0))                    # warm-up (and JIT)
         codec.decompress(p, out=y)
         np.copyto(copy_dst, x)
-        enc, dec, cop = [], [], []
+        enc, dec, cop, add = [], [], [], []
         for r in range(max(1, repeats)):
             cop.append(_timed(lambda: np.copyto(copy_dst, x)))
             t = time.perf_counter()
@@ -94,11 +96,13 @@ def codec_throughput(n: int = 16 * 2 ** 20, names: Sequence[str] | None = None,
             t = time.perf_counter()
             codec.decompress(p, out=y)
             dec.append(time.perf_counter() - t)
-        e, d, c = (statistics.median(v) for v in (enc, dec, cop))
+            add.append(_timed(lambda: codec.decompress(p, out=copy_dst, add=True)))
+        e, d, c, a = (statistics.median(v) for v in (enc, dec, cop, add))
         err = float(np.linalg.norm(x.astype(np.float64) - y.astype(np.float64))) / norm
         rows.append({
             "codec": spec, "config": codec.get_config(), "n": n, "dtype": dtype,
             "kernels": _kernels.for_size(n).NAME, "encode_s": e, "decode_s": d, "copy_s": c,
+            "decode_add_s": a,
             "ratio_vs_copy": (e + d) / c if c > 0 else float("inf"),
             "target": target(name, opts), "encode_GBps": x.nbytes / e / 1e9 if e > 0 else None,
             "decode_GBps": x.nbytes / d / 1e9 if d > 0 else None,
@@ -108,7 +112,8 @@ def codec_throughput(n: int = 16 * 2 ** 20, names: Sequence[str] | None = None,
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'codec':26s} {'enc ms':>8s} {'dec ms':>8s} {'enc GB/s':>9s} {'dec GB/s':>9s} "
+    head = (f"{'codec':26s} {'enc ms':>8s} {'dec ms':>8s} {'add ms':>8s} {'enc GB/s':>9s} "
+            f"{'dec GB/s':>9s} "
             f"{'x copy':>7s} {'target':>7s} {'wire bytes':>12s} {'ratio':>7s} {'rel err':>9s}")
     lines = [head]
     for r in rows:
@@ -116,6 +121,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             f"{'<=' if r['ratio_vs_copy'] <= r['target'] else '>'}{r['target']:g}"
         gbps = lambda v: f"{v:9.2f}" if v else f"{'inf':>9s}"          # noqa: E731
         lines.append(f"{r['codec']:26s} {r['encode_s'] * 1e3:8.2f} {r['decode_s'] * 1e3:8.2f} "
+                     f"{r['decode_add_s'] * 1e3:8.2f} "
                      f"{gbps(r['encode_GBps'])} {gbps(r['decode_GBps'])} "
                      f"{r['ratio_vs_copy']:7.2f} {tgt:>7s} {r['wire_bytes']:12d} "
                      f"{r['compression']:7.1f} {r['rel_error']:9.2e}")

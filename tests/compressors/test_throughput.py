@@ -23,6 +23,7 @@ def test_rows_describe_each_codec() -> None:
         assert r["config"] == c.get_config() and r["n"] == n
         assert r["wire_bytes"] == c.compress(x, seed=(0, 2)).nbytes
         assert r["encode_s"] >= 0 and r["decode_s"] > 0 and r["copy_s"] > 0
+        assert r["decode_add_s"] > 0
         assert r["compression"] == x.nbytes / r["wire_bytes"]
     assert rows[0]["rel_error"] == 0 and rows[1]["rel_error"] < 1e-3
     assert 0.9 < rows[2]["rel_error"] < 1 and rows[2]["target"] == 5.0
@@ -42,6 +43,6 @@ def test_main_prints_a_table(tmp_path, capsys) -> None:
     assert main(["--n", "5000", "--codecs", "fp16,int8:bits=4+rounding=stochastic",
                  "--repeats", "1", "--json", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "x copy" in text and "int8:bits=4,rounding=stochastic" in text
+    assert "x copy" in text and "add ms" in text and "int8:bits=4,rounding=stochastic" in text
     assert [r["codec"] for r in json.loads(out.read_text())] == \
         ["fp16", "int8:bits=4,rounding=stochastic"]

@@ -20,7 +20,7 @@ Example:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, Mapping, Protocol, Sequence
+from typing import Any, Callable, ClassVar, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -308,6 +308,20 @@ def compose(codec: Compressor, x: np.ndarray, seed: Any, out: Any, residual: Any
             residual -= dec
             add_tally(tally, residual)
     return payload
+
+
+def decode_onto(codec: Compressor, payload: Payload, base: Any, out: Any,
+                decode: Callable[[Payload, Any, bool, Any], Any]) -> Any:
+    """:meth:`Compressor.decompress_onto` of a codec whose decoder adds ``base`` in its
+    pass: ``decode(payload, out, True, base)`` (its ``decompress`` with ``base`` added
+    instead of ``out``) for float32 ``out`` and ``base`` of one size and kind; else the
+    copy and ``decompress(add=True)``."""
+    if arrays.dtype_name(out) != "float32" or arrays.dtype_name(base) != "float32" or \
+            arrays.size(base) != arrays.size(out) or \
+            arrays.is_host(base) != arrays.is_host(out):
+        arrays.assign(out, base)
+        return codec.decompress(payload, out, add=True)
+    return decode(payload, out, True, base)
 
 
 def widen_onto(codec: Compressor, payload: Payload, base: Any, out: Any, bits: str,

@@ -36,7 +36,7 @@ import numpy as np
 from . import _kernels
 from ..arrays import dtype_name, size
 from ._options import dtype_code, one_of, positive_int, seed_words
-from .base import Compressor, as_float32, need_out, reuse
+from .base import Compressor, as_float32, decode_onto, need_out, reuse
 from .payload import Payload, Reader, make_out, payload_nbytes
 from ..errors import ConfigError, PayloadError
 
@@ -75,6 +75,7 @@ class Int8Compressor(Compressor):
     reuses_out = True
     fuses_feedback = True
     decodes_add = True
+    decodes_onto = True
 
     def __init__(self, bits: int = 8, bucket_size: int = 1024, rounding: str = "nearest",
                  scale: float | None = None) -> None:
@@ -131,6 +132,15 @@ class Int8Compressor(Compressor):
     def decompress(self, payload: Payload, out: np.ndarray | None = None, *,
                    add: bool = False) -> np.ndarray:
         """Decode into ``out`` (new if None); ``add``: ``out = decoded + out``."""
+        return self._decode(payload, out, add, None)
+
+    def decompress_onto(self, payload: Payload, base: Any, out: Any) -> Any:
+        """``out = decoded + base`` (:meth:`Compressor.decompress_onto`), one pass for
+        float32."""
+        return decode_onto(self, payload, base, out, self._decode)
+
+    def _decode(self, payload: Payload, out: Any, add: bool, base: Any) -> Any:
+        """:meth:`decompress`, adding ``base`` (float32, another array) instead of ``out``."""
         need_out(add, out, self.name)
         shared = isinstance(payload, Payload) and isinstance(payload.header, dict) and \
             "sc" in payload.header
@@ -143,14 +153,14 @@ class Int8Compressor(Compressor):
         k = _kernels.for_array(out)
         tmp = _kernels.f32_target(out)
         if shared:
-            k.fixed_decode(q, n, bits, r.float("sc"), tmp, add and tmp is out)
+            k.fixed_decode(q, n, bits, r.float("sc"), tmp, add and tmp is out, base)
         else:
             bs = r.int("bs", 8, MAX_BUCKET)
             if bs % 8:
                 raise PayloadError(f"int8 payload: bucket size {bs} is not a multiple of 8")
             nb = -(-n // bs)
             k.minmax_decode(q, n, bs, bits, r.buffer("lo", "float32", nb),
-                            r.buffer("unit", "float32", nb), tmp, add and tmp is out)
+                            r.buffer("unit", "float32", nb), tmp, add and tmp is out, base)
         return _kernels.f32_finish(tmp, out, k, add)
 
     def plan(self, n: int, dtype: str) -> _MinMaxPlan | None:

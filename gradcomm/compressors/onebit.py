@@ -22,7 +22,7 @@ import numpy as np
 from . import _kernels
 from ..arrays import dtype_name, size
 from ._options import dtype_code
-from .base import as_float32, need_out, reuse
+from .base import as_float32, decode_onto, need_out, reuse
 from .payload import Payload, Reader, make_out, payload_nbytes
 from .int8 import MAX_BUCKET, Bucketed
 from ..errors import PayloadError
@@ -36,6 +36,7 @@ class OneBitCompressor(Bucketed):
     reuses_out = True
     fuses_feedback = True
     decodes_add = True
+    decodes_onto = True
 
     def __init__(self, bucket_size: int = 2048) -> None:
         super().__init__(bucket_size)
@@ -57,6 +58,15 @@ class OneBitCompressor(Bucketed):
     def decompress(self, payload: Payload, out: np.ndarray | None = None, *,
                    add: bool = False) -> np.ndarray:
         """Decode into ``out`` (new if None); ``add``: ``out = decoded + out``."""
+        return self._decode(payload, out, add, None)
+
+    def decompress_onto(self, payload: Payload, base: Any, out: Any) -> Any:
+        """``out = decoded + base`` (:meth:`Compressor.decompress_onto`), one pass for
+        float32."""
+        return decode_onto(self, payload, base, out, self._decode)
+
+    def _decode(self, payload: Payload, out: Any, add: bool, base: Any) -> Any:
+        """:meth:`decompress`, adding ``base`` (float32, another array) instead of ``out``."""
         need_out(add, out, self.name)
         r = Reader(payload, self.name, ("n", "dt", "bs"), ("pos", "neg", "q"), out)
         dt, bs = r.dtype(), r.int("bs", 8, MAX_BUCKET)
@@ -69,7 +79,7 @@ class OneBitCompressor(Bucketed):
         out = make_out(out, n, dt, like=r.like)
         k = _kernels.for_array(out)
         tmp = _kernels.f32_target(out)
-        k.onebit_decode(q, n, bs, pos, neg, tmp, add and tmp is out)
+        k.onebit_decode(q, n, bs, pos, neg, tmp, add and tmp is out, base)
         return _kernels.f32_finish(tmp, out, k, add)
 
     def plan(self, n: int, dtype: str) -> _OneBitPlan | None:

@@ -31,7 +31,7 @@ import numpy as np
 from . import _kernels
 from ..arrays import dtype_name, size
 from ._options import dtype_code, seed_words
-from .base import as_float32, need_out, reuse
+from .base import as_float32, decode_onto, need_out, reuse
 from .payload import Payload, Reader, make_out, payload_nbytes
 from .int8 import MAX_BUCKET, Bucketed
 from ..errors import PayloadError
@@ -49,6 +49,7 @@ class TernGradCompressor(Bucketed):
     reuses_out = True
     fuses_feedback = True
     decodes_add = True
+    decodes_onto = True
 
     def __init__(self, bucket_size: int = 512) -> None:
         super().__init__(bucket_size)
@@ -69,6 +70,15 @@ class TernGradCompressor(Bucketed):
     def decompress(self, payload: Payload, out: np.ndarray | None = None, *,
                    add: bool = False) -> np.ndarray:
         """Decode into ``out`` (new if None); ``add``: ``out = decoded + out``."""
+        return self._decode(payload, out, add, None)
+
+    def decompress_onto(self, payload: Payload, base: Any, out: Any) -> Any:
+        """``out = decoded + base`` (:meth:`Compressor.decompress_onto`), one pass for
+        float32."""
+        return decode_onto(self, payload, base, out, self._decode)
+
+    def _decode(self, payload: Payload, out: Any, add: bool, base: Any) -> Any:
+        """:meth:`decompress`, adding ``base`` (float32, another array) instead of ``out``."""
         need_out(add, out, self.name)
         r = Reader(payload, self.name, ("n", "dt", "bs"), ("scale", "q"), out)
         dt, bs = r.dtype(), r.int("bs", 8, MAX_BUCKET)
@@ -81,7 +91,7 @@ class TernGradCompressor(Bucketed):
         k = _kernels.for_array(out)
         tmp = _kernels.f32_target(out)
         k.signlevel_decode(q, n, bs, 1, 2, scale, tmp,     # every 2-bit code is valid
-                           add and tmp is out)
+                           add and tmp is out, base)
         return _kernels.f32_finish(tmp, out, k, add)
 
     def max_nbytes(self, n: int, dtype: str = "float32") -> int:

@@ -113,16 +113,24 @@ def test_bf16_exact_where_representable() -> None:
     assert np.all(np.abs(c.decompress(c.compress(x)) - x) <= np.abs(x) * 2.0 ** -8)
 
 
-@pytest.mark.parametrize("name", [n for n in names() if get(n).decodes_onto])
+ONTO = ["bf16", "fp16", "int8", "int8:bits=3", "int8:scale=500.0", "onebit", "qsgd",
+        "qsgd:levels=3", "terngrad"]
+
+
+@pytest.mark.parametrize("spec", ONTO)
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
-def test_decompress_onto_is_the_copy_then_the_decode_add(name: str, dtype: str) -> None:
+def test_decompress_onto_is_the_copy_then_the_decode_add(spec: str, dtype: str) -> None:
     """``decompress_onto(p, base, out)``: ``out`` ends as copying ``base`` into it and
     ``decompress(p, out, add=True)`` leaves it, ``base`` untouched (one pass for float32,
     the two steps for other dtypes); codecs that do not declare it say so."""
     from gradcomm.errors import UnsupportedError
 
-    assert sorted(n for n in names() if get(n).decodes_onto) == ["bf16", "fp16"]
-    c, rng = get(name), np.random.default_rng(5)
+    assert sorted(n for n in names() if get(n).decodes_onto) == \
+        sorted({s.split(":")[0] for s in ONTO})
+    name, _, opt = spec.partition(":")
+    key, _, val = opt.partition("=")
+    c = get(name, **({key: float(val) if "." in val else int(val)} if opt else {}))
+    rng = np.random.default_rng(5)
     for n in (0, 1, 9, 70_001):
         x = (rng.standard_normal(n) * 300).astype(dtype)
         base = (rng.standard_normal(n) * 300).astype(dtype)
@@ -135,7 +143,7 @@ def test_decompress_onto_is_the_copy_then_the_decode_add(name: str, dtype: str) 
         assert c.decompress_onto(p, base, got) is got
         assert got.tobytes() == want.tobytes() and base.tobytes() == keep.tobytes(), n
     with pytest.raises(UnsupportedError, match="decodes_onto"):
-        get("int8").decompress_onto(get("int8").compress(np.ones(3, np.float32)),
+        get("topk").decompress_onto(get("topk").compress(np.ones(3, np.float32)),
                                     np.ones(3, np.float32), np.ones(3, np.float32))
 
 

@@ -394,3 +394,37 @@ def test_onebit_adam_kernels_match_the_reference_and_torch(n: int) -> None:
     D = torch.div(V, bc2).add_(eps)
     X = M / D
     assert [canon(t.numpy()) for t in (V, D, X, Z * D, Z / bc1)] == want
+
+
+def _decoders(rng, n: int):
+    """(kernel name, argument tuple before ``out``) of each bucketed decoder on random codes
+    of ``n`` elements (levels above ``s`` among signlevel's: corrupt codes are counted)."""
+    bs = 64
+    nb = -(-n // bs)
+    scales = specials(nb, np.nan, n + 1)
+    for bits in (3, 8):
+        q = rng.integers(0, 256, (n * bits + 7) // 8, dtype=np.uint64).astype(np.uint8)
+        yield "minmax_decode", (q, n, bs, bits, nasty(nb, 1), specials(nb, np.inf, 2))
+        yield "fixed_decode", (q, n, bits, 500.0)
+        yield "signlevel_decode", (q, n, bs, (1 << (bits - 1)) - 2, bits, scales)
+    q = rng.integers(0, 256, (n + 7) // 8, dtype=np.uint64).astype(np.uint8)
+    yield "onebit_decode", (q, n, bs, nasty(nb, 3), specials(nb, -np.inf, 4))
+
+
+def test_decoders_add_onto_another_array() -> None:
+    """``decode(..., out, add=True, base=b)`` is ``out = decoded + b`` with ``b`` untouched:
+    on both paths, the bytes (and the count of corrupt codes) of copying ``b`` into
+    ``out`` and adding there; ``out`` starts as garbage."""
+    rng = np.random.default_rng(11)
+    for n in COUNTS + (70_001,):
+        b = specials(n, np.nan, n)
+        if n > 8:
+            b[1::7] = np.inf
+        keep = b.copy()
+        for name, args in _decoders(rng, n):
+            for impl in (NP, NB):
+                want = b.copy()
+                bad = getattr(impl, name)(*args, want, True)
+                got = np.full(n, 7.0, np.float32)
+                assert getattr(impl, name)(*args, got, True, b) == bad, (impl.NAME, name, n)
+                assert same(got, want) and same(b, keep), (impl.NAME, name, n)

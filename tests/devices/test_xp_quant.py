@@ -327,3 +327,30 @@ def test_many_passes(to, monkeypatch: pytest.MonkeyPatch) -> None:
         signlevel_round_trip(to, x, bs, 7, 4, True)
         onebit_round_trip(to, x, bs)
     fixed_round_trip(to, x, 7, 2.5, True)
+
+
+def test_decoders_add_onto_another_array(to) -> None:
+    """``decode(..., out, add=True, base=b)``: the reference's bytes of ``out = decoded +
+    b`` (and its count of invalid codes) on every array kind, ``b`` untouched, ``out``
+    starting as garbage; across several passes (a small pass size)."""
+    rng = np.random.default_rng(12)
+    for n, bs in ((4099, 64), (70_001, 1000)):
+        nb = -(-n // bs)
+        a = specials(nb, np.nan, 1)
+        b = specials(nb, -np.inf, 2)
+        base = accum(n)
+        cases = [("onebit_decode", (rng.integers(0, 256, (n + 7) // 8).astype(np.uint8), n,
+                                    bs, a, b))]
+        for bits in (2, 5, 8):
+            q = rng.integers(0, 256, (n * bits + 7) // 8).astype(np.uint8)
+            cases += [("signlevel_decode", (q, n, bs, 1, bits, a)),
+                      ("minmax_decode", (q, n, bs, bits, a, b)),
+                      ("fixed_decode", (q, n, bits, 2.5))]
+        for fn, args in cases:
+            ref = junk(n, np.float32)
+            r1 = getattr(NP, fn)(*args, ref, True, base)
+            dev, dev_base = to(junk(n, np.float32)), to(base)
+            conv = [v if not isinstance(v, np.ndarray) else to(v) for v in args]
+            assert getattr(X, fn)(*conv, dev, True, dev_base) == r1, fn
+            assert same(dev, ref, np.isnan(ref)), (fn, n)
+            assert same(dev_base, base), fn

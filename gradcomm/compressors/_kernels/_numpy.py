@@ -312,19 +312,20 @@ def _minmax_encode(x: np.ndarray, start: int, bs: int, bits: int, stochastic: bo
     pack(q.astype(np.uint8), bits, packed)
 
 
-def _put(v: np.ndarray, out: np.ndarray, add: bool) -> None:
-    """``out = v`` or, with ``add``, ``out = v + out``."""
+def _put(v: np.ndarray, out: np.ndarray, add: bool, base: np.ndarray | None = None) -> None:
+    """``out = v`` or, with ``add``, ``out = v + base`` (``base`` defaults to ``out``)."""
     if add:
-        np.add(v, out, out=out)
+        np.add(v, out if base is None else base, out=out)
     else:
         out[...] = v
 
 
 @_quiet
 def _minmax_decode(packed: np.ndarray, n: int, bs: int, bits: int, lo: np.ndarray,
-                   unit: np.ndarray, out: np.ndarray, add: bool = False) -> int:
+                   unit: np.ndarray, out: np.ndarray, add: bool = False,
+                   base: np.ndarray | None = None) -> int:
     c = unpack(packed, n, bits).astype(np.float32)
-    _put(_per_elem(lo, n, bs) + c * _per_elem(unit, n, bs), out, add)
+    _put(_per_elem(lo, n, bs) + c * _per_elem(unit, n, bs), out, add, base)
     return 0
 
 
@@ -345,14 +346,14 @@ def _fixed_encode(x: np.ndarray, start: int, bits: int, scale: float, stochastic
 
 @_quiet
 def _fixed_decode(packed: np.ndarray, n: int, bits: int, scale: float,
-                  out: np.ndarray, add: bool = False) -> int:
+                  out: np.ndarray, add: bool = False, base: np.ndarray | None = None) -> int:
     """Returns the number of invalid codes (above 2L + 1 cannot occur; none are invalid)."""
     L = (1 << (bits - 1)) - 1
     c = unpack(packed, n, bits)
     step = np.float32(scale / L)
     v = (c.astype(np.float32) - np.float32(L)) * step
     v[c == 2 * L + 1] = np.nan
-    _put(v, out, add)
+    _put(v, out, add, base)
     return 0
 
 
@@ -388,13 +389,14 @@ def _signlevel_encode(x: np.ndarray, start: int, bs: int, s: int, bits: int, l2:
 
 @_quiet
 def _signlevel_decode(packed: np.ndarray, n: int, bs: int, s: int, bits: int,
-                      scale: np.ndarray, out: np.ndarray, add: bool = False) -> int:
+                      scale: np.ndarray, out: np.ndarray, add: bool = False,
+                      base: np.ndarray | None = None) -> int:
     """Returns the number of codes whose level exceeds ``s`` (a corrupt payload)."""
     c = unpack(packed, n, bits)
     level = c & np.uint8((1 << (bits - 1)) - 1)
     unit = (scale.astype(np.float64) / s).astype(np.float32)
     v = level.astype(np.float32) * _per_elem(unit, n, bs)
-    _put(np.where(c >> np.uint8(bits - 1) != 0, -v, v), out, add)
+    _put(np.where(c >> np.uint8(bits - 1) != 0, -v, v), out, add, base)
     return int(np.count_nonzero(level > s))
 
 
@@ -424,9 +426,9 @@ def _onebit_encode(x: np.ndarray, start: int, bs: int, pos_out: np.ndarray,
 
 @_quiet
 def _onebit_decode(packed: np.ndarray, n: int, bs: int, pos: np.ndarray, neg: np.ndarray,
-                   out: np.ndarray, add: bool = False) -> int:
+                   out: np.ndarray, add: bool = False, base: np.ndarray | None = None) -> int:
     bit = unpack(packed, n, 1).astype(bool)
-    _put(np.where(bit, _per_elem(pos, n, bs), _per_elem(neg, n, bs)), out, add)
+    _put(np.where(bit, _per_elem(pos, n, bs), _per_elem(neg, n, bs)), out, add, base)
     return 0
 
 
@@ -439,11 +441,16 @@ def minmax_encode(x, bs, bits, stochastic, key, lo_out, unit_out, packed) -> Non
                        unit_out[b:b + nb], packed[p:p + (m * bits + 7) // 8])
 
 
-def minmax_decode(packed, n, bs, bits, lo, unit, out, add=False) -> int:
+def _part(base: np.ndarray | None, s: int, m: int) -> np.ndarray | None:
+    """``base[s:s + m]`` of a decode-add's ``base`` (None: the output itself)."""
+    return None if base is None else base[s:s + m]
+
+
+def minmax_decode(packed, n, bs, bits, lo, unit, out, add=False, base=None) -> int:
     for s, m in _chunks(n, bs):
         b, nb, p = s // bs, -(-m // bs), s * bits // 8
         _minmax_decode(packed[p:p + (m * bits + 7) // 8], m, bs, bits, lo[b:b + nb],
-                       unit[b:b + nb], out[s:s + m], add)
+                       unit[b:b + nb], out[s:s + m], add, _part(base, s, m))
     return 0
 
 
@@ -454,10 +461,11 @@ def fixed_encode(x, bits, scale, stochastic, key, packed) -> None:
                       packed[p:p + (m * bits + 7) // 8])
 
 
-def fixed_decode(packed, n, bits, scale, out, add=False) -> int:
+def fixed_decode(packed, n, bits, scale, out, add=False, base=None) -> int:
     for s, m in _chunks(n, 8):
         p = s * bits // 8
-        _fixed_decode(packed[p:p + (m * bits + 7) // 8], m, bits, scale, out[s:s + m], add)
+        _fixed_decode(packed[p:p + (m * bits + 7) // 8], m, bits, scale, out[s:s + m], add,
+                      _part(base, s, m))
     return 0
 
 
@@ -468,12 +476,12 @@ def signlevel_encode(x, bs, levels, bits, l2, key, scale_out, packed) -> None:
                           packed[p:p + (m * bits + 7) // 8])
 
 
-def signlevel_decode(packed, n, bs, levels, bits, scale, out, add=False) -> int:
+def signlevel_decode(packed, n, bs, levels, bits, scale, out, add=False, base=None) -> int:
     bad = 0
     for s, m in _chunks(n, bs):
         b, nb, p = s // bs, -(-m // bs), s * bits // 8
         bad += _signlevel_decode(packed[p:p + (m * bits + 7) // 8], m, bs, levels, bits,
-                                 scale[b:b + nb], out[s:s + m], add)
+                                 scale[b:b + nb], out[s:s + m], add, _part(base, s, m))
     return bad
 
 
@@ -484,11 +492,11 @@ def onebit_encode(x, bs, pos_out, neg_out, packed) -> None:
                        packed[s // 8:s // 8 + (m + 7) // 8])
 
 
-def onebit_decode(packed, n, bs, pos, neg, out, add=False) -> int:
+def onebit_decode(packed, n, bs, pos, neg, out, add=False, base=None) -> int:
     for s, m in _chunks(n, bs):
         b, nb = s // bs, -(-m // bs)
         _onebit_decode(packed[s // 8:s // 8 + (m + 7) // 8], m, bs, pos[b:b + nb],
-                       neg[b:b + nb], out[s:s + m], add)
+                       neg[b:b + nb], out[s:s + m], add, _part(base, s, m))
     return 0
 
 

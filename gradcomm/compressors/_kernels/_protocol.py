@@ -9,8 +9,9 @@ checks every path against these lists, names and parameters included.
 
 Conventions: ``key`` is a host numpy uint32[4] (:func:`~gradcomm.compressors._options.
 seed_words`); outputs are written in place; decoders return the number of invalid codes
-(0 when all are valid); ``add`` means ``out = decoded + out``; ``like`` is an array
-whose kind and device the result gets (None: host numpy).
+(0 when all are valid); ``add`` means ``out = decoded + base`` (``base`` defaults to
+``out``; another array of its size and kind is only read); ``like`` is an array whose
+kind and device the result gets (None: host numpy).
 
 Example:
     >>> from gradcomm.compressors._kernels import _numpy
@@ -68,7 +69,7 @@ class Kernels(Protocol):
         """Per-bucket min/max levels (int8)."""
 
     def minmax_decode(self, packed: Any, n: int, bs: int, bits: int, lo: Any, unit: Any,
-                      out: Any, add: bool = False) -> int:
+                      out: Any, add: bool = False, base: Any = None) -> int:
         """Decode :meth:`minmax_encode`'s codes."""
 
     def fixed_encode(self, x: Any, bits: int, scale: float, stochastic: bool, key: Any,
@@ -76,7 +77,7 @@ class Kernels(Protocol):
         """Symmetric levels of a shared scale (int8 with ``scale=``)."""
 
     def fixed_decode(self, packed: Any, n: int, bits: int, scale: float, out: Any,
-                     add: bool = False) -> int:
+                     add: bool = False, base: Any = None) -> int:
         """Decode :meth:`fixed_encode`'s codes."""
 
     def signlevel_encode(self, x: Any, bs: int, levels: int, bits: int, l2: bool, key: Any,
@@ -84,7 +85,7 @@ class Kernels(Protocol):
         """Sign and stochastic level of the bucket's L2 norm (qsgd) or max (terngrad)."""
 
     def signlevel_decode(self, packed: Any, n: int, bs: int, levels: int, bits: int,
-                         scale: Any, out: Any, add: bool = False) -> int:
+                         scale: Any, out: Any, add: bool = False, base: Any = None) -> int:
         """Decode :meth:`signlevel_encode`'s codes (returns the codes above ``levels``)."""
 
     def onebit_encode(self, x: Any, bs: int, pos_out: Any, neg_out: Any,
@@ -92,7 +93,7 @@ class Kernels(Protocol):
         """Sign bits and the per-bucket means of the two sign groups."""
 
     def onebit_decode(self, packed: Any, n: int, bs: int, pos: Any, neg: Any, out: Any,
-                      add: bool = False) -> int:
+                      add: bool = False, base: Any = None) -> int:
         """Decode :meth:`onebit_encode`'s bits."""
 
     # -- top-k / random-k

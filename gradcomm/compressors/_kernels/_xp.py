@@ -317,7 +317,7 @@ def _minmax_encode(x: Any, start: int, bs: int, bits: int, stochastic: bool,
 
 
 def _minmax_decode(packed: Any, n: int, bs: int, bits: int, lo: Any, unit: Any, out: Any,
-                   add: bool = False) -> int:
+                   add: bool = False, base: Any = None) -> int:
     xp = arrays.namespace(packed)
     c = xp.astype(unpack(packed, n, bits), xp.float32)
     nan, lo_q = xp.isnan(lo), _quieted(lo)     # x86: lo + NaN keeps lo's NaN, quieted
@@ -325,7 +325,7 @@ def _minmax_decode(packed: Any, n: int, bs: int, bits: int, lo: Any, unit: Any, 
         r, m = p.shape
         v = lo[b:b + r, None] + p * unit[b:b + r, None]
         if add:
-            v = v + xp.reshape(out[e:e + r * m], (r, m))
+            v = v + xp.reshape((out if base is None else base)[e:e + r * m], (r, m))
         _assign(out[e:e + r * m], xp.reshape(xp.where(nan[b:b + r, None],
                                                       lo_q[b:b + r, None], v), (-1,)))
     return 0
@@ -346,13 +346,13 @@ def _fixed_encode(x: Any, start: int, bits: int, scale: float, stochastic: bool,
 
 
 def _fixed_decode(packed: Any, n: int, bits: int, scale: float, out: Any,
-                  add: bool = False) -> int:
+                  add: bool = False, base: Any = None) -> int:
     L = (1 << (bits - 1)) - 1
     xp = arrays.namespace(packed)
     c = unpack(packed, n, bits)
     step = float(np.float32(scale / L))
     v = (xp.astype(c, xp.float32) - float(L)) * step
-    _put(v, out, add, c == 2 * L + 1, _const(xp, math.nan, xp.float32, _dev(packed)))
+    _put(v, out, add, c == 2 * L + 1, _const(xp, math.nan, xp.float32, _dev(packed)), base)
     return 0
 
 
@@ -396,7 +396,7 @@ def _signlevel_encode(x: Any, start: int, bs: int, s: int, bits: int, l2: bool,
 
 
 def _signlevel_decode(packed: Any, n: int, bs: int, s: int, bits: int, scale: Any,
-                      out: Any, add: bool = False) -> int:
+                      out: Any, add: bool = False, base: Any = None) -> int:
     """Returns the number of codes whose level exceeds ``s`` (a corrupt payload)."""
     xp, dev = arrays.namespace(packed), _dev(packed)
     c = xp.astype(unpack(packed, n, bits), xp.int32)
@@ -410,7 +410,7 @@ def _signlevel_decode(packed: Any, n: int, bs: int, s: int, bits: int, scale: An
         v = xp.astype(p, xp.float32) * unit[b:b + r, None]
         v = xp.where(neg, -v, v)
         if add:
-            v = v + xp.reshape(out[e:e + r * m], (r, m))
+            v = v + xp.reshape((out if base is None else base)[e:e + r * m], (r, m))
         uq = unit_q[b:b + r, None]
         v = xp.where(nan[b:b + r, None], xp.where(neg, -uq, uq), v)
         _assign(out[e:e + r * m], xp.reshape(v, (-1,)))
@@ -448,7 +448,7 @@ def _onebit_encode(x: Any, start: int, bs: int, pos_out: Any, neg_out: Any,
 
 
 def _onebit_decode(packed: Any, n: int, bs: int, pos: Any, neg: Any, out: Any,
-                   add: bool = False) -> int:
+                   add: bool = False, base: Any = None) -> int:
     xp = arrays.namespace(packed)
     bit = unpack(packed, n, 1) != 0
     if add:                                  # x86: v + out keeps v's NaN, quieted
@@ -457,7 +457,8 @@ def _onebit_decode(packed: Any, n: int, bs: int, pos: Any, neg: Any, out: Any,
         r, m = p.shape
         v = xp.reshape(xp.where(p, pos[b:b + r, None], neg[b:b + r, None]), (-1,))
         if add:
-            _put(v, out[e:e + r * m], add, xp.isnan(v), v)
+            _put(v, out[e:e + r * m], add, xp.isnan(v), v,
+                 None if base is None else base[e:e + r * m])
         else:
             _assign(out[e:e + r * m], v)
     return 0
@@ -473,12 +474,17 @@ def minmax_encode(x, bs, bits, stochastic, key, lo_out, unit_out, packed) -> Non
                        unit_out[b:b + nb], packed[p:p + (m * bits + 7) // 8])
 
 
+def _part(base: Any, s: int, m: int) -> Any:
+    """``base[s:s + m]`` of a decode-add's ``base`` (None: the output itself)."""
+    return None if base is None else base[s:s + m]
+
+
 @_kernel
-def minmax_decode(packed, n, bs, bits, lo, unit, out, add=False) -> int:
+def minmax_decode(packed, n, bs, bits, lo, unit, out, add=False, base=None) -> int:
     for s, m in _chunks(packed, n, bs):
         b, nb, p = s // bs, -(-m // bs), s * bits // 8
         _minmax_decode(packed[p:p + (m * bits + 7) // 8], m, bs, bits, lo[b:b + nb],
-                       unit[b:b + nb], out[s:s + m], add)
+                       unit[b:b + nb], out[s:s + m], add, _part(base, s, m))
     return 0
 
 
@@ -491,10 +497,11 @@ def fixed_encode(x, bits, scale, stochastic, key, packed) -> None:
 
 
 @_kernel
-def fixed_decode(packed, n, bits, scale, out, add=False) -> int:
+def fixed_decode(packed, n, bits, scale, out, add=False, base=None) -> int:
     for s, m in _chunks(packed, n, 8):
         p = s * bits // 8
-        _fixed_decode(packed[p:p + (m * bits + 7) // 8], m, bits, scale, out[s:s + m], add)
+        _fixed_decode(packed[p:p + (m * bits + 7) // 8], m, bits, scale, out[s:s + m], add,
+                      _part(base, s, m))
     return 0
 
 
@@ -507,12 +514,12 @@ def signlevel_encode(x, bs, levels, bits, l2, key, scale_out, packed) -> None:
 
 
 @_kernel
-def signlevel_decode(packed, n, bs, levels, bits, scale, out, add=False) -> int:
+def signlevel_decode(packed, n, bs, levels, bits, scale, out, add=False, base=None) -> int:
     bad = 0
     for s, m in _chunks(packed, n, bs):
         b, nb, p = s // bs, -(-m // bs), s * bits // 8
         bad += _signlevel_decode(packed[p:p + (m * bits + 7) // 8], m, bs, levels, bits,
-                                 scale[b:b + nb], out[s:s + m], add)
+                                 scale[b:b + nb], out[s:s + m], add, _part(base, s, m))
     return bad
 
 
@@ -525,11 +532,11 @@ def onebit_encode(x, bs, pos_out, neg_out, packed) -> None:
 
 
 @_kernel
-def onebit_decode(packed, n, bs, pos, neg, out, add=False) -> int:
+def onebit_decode(packed, n, bs, pos, neg, out, add=False, base=None) -> int:
     for s, m in _chunks(packed, n, bs):
         b, nb = s // bs, -(-m // bs)
         _onebit_decode(packed[s // 8:s // 8 + (m + 7) // 8], m, bs, pos[b:b + nb],
-                       neg[b:b + nb], out[s:s + m], add)
+                       neg[b:b + nb], out[s:s + m], add, _part(base, s, m))
     return 0
 
 

@@ -19,7 +19,8 @@ for reference, without::
 Targets: at 1 Gbit/s dense ring >= 0.95, fp16 (ring) >= 1.85, int8 >= 3.5, onebit >= 15,
 topk (1 %) >= 20; at 10 Gbit/s every compressor >= 1.5. ``--ddp`` adds one line per
 DDP hook (``bench/train.py`` on the same link: step time, bytes per step, link
-utilisation). A target is only called met when the link check held (``ok``), the
+utilisation) and judges the DDP targets (:func:`ddp_verdicts`), with DDP over the
+uncapped loopback as the compute floor. A target is only called met when the link check held (``ok``), the
 benchmark exited 0 and the row's ``#wrong`` is 0 (every timed call checked against the
 exact replay); the script exits 1 otherwise. At least 10 timed calls per row (``--iters``,
 split over ``--rounds``). Needs root (namespaces) and a quiet machine: the ratio at
@@ -57,6 +58,10 @@ ALL_COMPRESSORS = ("fp16", "bf16", "int8", "qsgd", "terngrad", "onebit", "topk:r
                    "randomk:ratio=0.01")
 #: the DDP hooks --ddp compares (bench/train.py variants)
 DDP_VARIANTS = "ddp,torch-fp16,gc-fp16,gc-int8,gc-onebit,gc-topk:ratio=0.01"
+#: the DDP targets: the codec named in advance must be DDP_SPEEDUP x as fast as PyTorch's
+#: fp16 hook at equal accuracy (at most ACC_POINTS test-accuracy points below it), and
+#: within DDP_FLOOR x the step of DDP over the uncapped loopback (the compute floor)
+DDP_REPORT, DDP_SPEEDUP, DDP_FLOOR, ACC_POINTS = "gc-onebit", 2.0, 1.2, 0.5
 
 
 def compressor_specs(rate: str, requested: str | None) -> list[str]:
@@ -234,27 +239,79 @@ def run_rate(rate: str, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def run_ddp(rate: str, args: argparse.Namespace) -> dict[str, Any]:
-    """bench/train.py on the same link (its own namespaces): each DDP hook's step time,
-    bytes per step and link utilisation, one line per hook."""
-    out: dict[str, Any] = {"rate": rate, "load_before": os.getloadavg()[0]}
+def ddp_verdicts(rows: list[dict[str, Any]], floor_s: float | None
+                 ) -> list[tuple[str, bool | None, str]]:
+    """``(target, met, detail)`` of each DDP target from bench/train.py's rows (mean step
+    times, test accuracy); ``floor_s``: DDP's step over the uncapped loopback (None: not
+    measured). ``met`` is None where a row it needs is missing.
+
+    Example:
+        >>> rows = [{"variant": "torch-fp16", "step_s_mean": 0.100, "test_acc": 0.9777},
+        ...         {"variant": "gc-fp16", "step_s_mean": 0.099, "test_acc": 0.9777},
+        ...         {"variant": "gc-onebit", "step_s_mean": 0.045, "test_acc": 0.9750}]
+        >>> [(t, met) for t, met, _ in ddp_verdicts(rows, 0.036)]
+        [('gc-fp16 <= torch-fp16', True), ('gc-onebit >= 2x torch-fp16', True), \
+('gc-onebit <= 1.2x the loopback floor', False)]
+    """
+    by = {r["variant"]: r for r in rows}
+    fp16, ours, best = by.get("torch-fp16"), by.get("gc-fp16"), by.get(DDP_REPORT)
+    out: list[tuple[str, bool | None, str]] = []
+    if fp16 is None or ours is None:
+        out.append(("gc-fp16 <= torch-fp16", None, "not measured"))
+    else:
+        out.append(("gc-fp16 <= torch-fp16", ours["step_s_mean"] <= fp16["step_s_mean"],
+                    f"{1e3 * ours['step_s_mean']:.1f} vs {1e3 * fp16['step_s_mean']:.1f} ms"))
+    if fp16 is None or best is None:
+        out.append((f"{DDP_REPORT} >= {DDP_SPEEDUP:g}x torch-fp16", None, "not measured"))
+    else:
+        speedup = fp16["step_s_mean"] / best["step_s_mean"]
+        gap = 100 * (fp16["test_acc"] - best["test_acc"])
+        out.append((f"{DDP_REPORT} >= {DDP_SPEEDUP:g}x torch-fp16",
+                    speedup >= DDP_SPEEDUP and gap <= ACC_POINTS,
+                    f"{speedup:.2f}x, accuracy {gap:+.2f} points below torch-fp16"))
+    if best is None or floor_s is None:
+        out.append((f"{DDP_REPORT} <= {DDP_FLOOR:g}x the loopback floor", None,
+                    "not measured"))
+    else:
+        over = best["step_s_mean"] / floor_s
+        out.append((f"{DDP_REPORT} <= {DDP_FLOOR:g}x the loopback floor", over <= DDP_FLOOR,
+                    f"{over:.2f}x ({1e3 * best['step_s_mean']:.1f} vs {1e3 * floor_s:.1f} ms)"))
+    return out
+
+
+def _train(rate: str, variants: str, args: argparse.Namespace) -> tuple[int, list[dict]]:
+    """bench/train.py's exit status and rows for ``variants`` over ``rate``."""
+    import subprocess
+
     here = Path(__file__).resolve().parent
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "train.json")
         cmd = [sys.executable, str(here / "train.py"), "--rate", rate, "--np", str(args.np),
-               "--variants", args.ddp_variants, "--steps", str(args.ddp_steps),
+               "--variants", variants, "--steps", str(args.ddp_steps),
                "--repeats", str(args.ddp_repeats), "--ablation", "none",
-               "--report-variant", "gc-onebit", "--json", path]
-        import subprocess
-
-        out["rc"] = subprocess.run(cmd, timeout=args.timeout).returncode
+               "--report-variant", DDP_REPORT, "--json", path]
+        rc = subprocess.run(cmd, timeout=args.timeout).returncode
         if not os.path.exists(path):
-            print(f"   DDP: bench/train.py wrote no results (exit {out['rc']})", flush=True)
-            return out
+            return rc, []
         with open(path) as f:
             doc = json.load(f)
+    return rc, doc["sections"][0]["rows"] if doc.get("sections") else []
+
+
+def run_ddp(rate: str, args: argparse.Namespace) -> dict[str, Any]:
+    """bench/train.py on the same link (its own namespaces): each DDP hook's step time,
+    bytes per step and link utilisation, one line per hook; then DDP over the uncapped
+    loopback (the compute floor) and the DDP targets' verdicts."""
+    out: dict[str, Any] = {"rate": rate, "load_before": os.getloadavg()[0]}
+    out["rc"], rows = _train(rate, args.ddp_variants, args)
+    if not rows:
+        print(f"   DDP: bench/train.py wrote no results (exit {out['rc']})", flush=True)
+        out["verdicts"] = [("DDP rows", False, f"bench/train.py exit {out['rc']}")]
+        return out
+    floor_rc, floor_rows = _train("none", "ddp", args) if rate != "none" else (0, rows)
+    floor = next((r["step_s_mean"] for r in floor_rows if r["variant"] == "ddp"), None)
+    out["floor_rc"], out["floor_s"] = floor_rc, floor
     out["load_after"] = os.getloadavg()[0]
-    rows = doc["sections"][0]["rows"] if doc.get("sections") else []
     out["rows"] = rows
     for r in rows:
         mb = r["tx_bytes_per_step"] if r["tx_bytes_per_step"] is not None else \
@@ -264,6 +321,10 @@ def run_ddp(rate: str, args: argparse.Namespace) -> dict[str, Any]:
               f"{'-' if mb is None else f'{mb / 1e6:.2f}'} MB/step  "
               f"link {'-' if link is None else f'{link:.1f}'} %  acc "
               f"{100 * r['test_acc']:.2f} %", flush=True)
+    out["verdicts"] = ddp_verdicts(rows, floor)
+    for target, met, detail in out["verdicts"]:
+        state = "not judged" if met is None else "met" if met else "MISSED"
+        print(f"   DDP target {target:38s} {state}  ({detail})", flush=True)
     return out
 
 
@@ -307,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     missed += [f"{r['rate']} benchmark exit {r['bench_rc']}" for r in results
                if r.get("bench_rc")]
     missed += [f"{r['rate']} {r['incomplete']}" for r in results if r.get("incomplete")]
+    missed += [f"{r['rate']} DDP {t}" for r in results
+               for t, met, _ in r.get("ddp", {}).get("verdicts", ()) if met is False]
     print(f"# targets: {'all met' if not missed else 'MISSED: ' + ', '.join(missed)}; "
           f"load {os.getloadavg()[0]:.2f} on {os.cpu_count()} cpus")
     if args.json:

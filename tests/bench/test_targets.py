@@ -49,3 +49,41 @@ def test_the_specs_need_gradcomm(targets, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "gradcomm", None)
     with pytest.raises(ImportError):
         targets.compressor_specs("1gbit", "int8")
+
+
+def _ddp_rows(fp16: float, ours: float, onebit: float, gap_points: float) -> list[dict]:
+    acc = 0.9777
+    return [{"variant": "torch-fp16", "step_s_mean": fp16, "test_acc": acc},
+            {"variant": "gc-fp16", "step_s_mean": ours, "test_acc": acc},
+            {"variant": "gc-onebit", "step_s_mean": onebit,
+             "test_acc": acc - gap_points / 100}]
+
+
+def test_the_ddp_targets_are_judged(targets) -> None:
+    """Each DDP target is met, missed, or not judged (a row it needs is absent), from the
+    mean step times and the test accuracy."""
+    met = lambda rows, floor: [m for _, m, _ in targets.ddp_verdicts(rows, floor)]  # noqa
+    assert met(_ddp_rows(0.100, 0.099, 0.049, 0.0), 0.042) == [True, True, True]
+    assert met(_ddp_rows(0.100, 0.101, 0.049, 0.0), 0.042) == [False, True, True]
+    assert met(_ddp_rows(0.100, 0.099, 0.051, 0.0), 0.045) == [True, False, True]
+    assert met(_ddp_rows(0.100, 0.099, 0.049, 0.6), 0.042) == [True, False, True]
+    assert met(_ddp_rows(0.100, 0.099, 0.049, 0.0), 0.040) == [True, True, False]
+    assert met(_ddp_rows(0.100, 0.099, 0.049, 0.0)[1:], None) == [None, None, None]
+
+
+def test_a_missed_ddp_target_is_missed(targets, monkeypatch, capsys) -> None:
+    monkeypatch.setattr(targets, "run_rate", lambda rate, args: {
+        "rate": rate, "rows": [{"compressor": "int8", "error_feedback": True, "met": True}],
+        "link_ok": True, "bench_rc": 0})
+    verdicts = targets.ddp_verdicts(_ddp_rows(0.100, 0.101, 0.049, 0.0), 0.042)
+    monkeypatch.setattr(targets, "run_ddp", lambda rate, args: {"verdicts": verdicts})
+    assert targets.main(["--rates", "1gbit", "--ddp"]) == 1
+    out = capsys.readouterr().out
+    assert "MISSED: 1gbit DDP gc-fp16 <= torch-fp16" in out and "onebit" not in out
+
+
+def test_the_docstring_examples_run(targets) -> None:
+    import doctest
+
+    result = doctest.testmod(targets)
+    assert result.attempted >= 4 and result.failed == 0

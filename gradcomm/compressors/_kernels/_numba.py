@@ -43,14 +43,14 @@ _JIT = dict(cache=True, nogil=True, error_model="numpy")
 FUSED = True
 _NONE32 = np.zeros(1, np.float32)                      # stands for an absent e or d
 _NOACC = np.zeros(0)                                   # no tally: lanes not accumulated
+#: elements per block of the 16-bit casts when they tally the residual's norm
+_CAST_BLOCK = 4096
 
 
 def _onto(add, base, out):
     """Whether a decode adds onto another array than ``out``: then the kernels take
     ``base``, else None (``out`` itself, a compilation of its own)."""
     return add and base is not None and base is not out
-#: elements per block of the 16-bit casts when they tally the residual's norm
-_CAST_BLOCK = 4096
 
 
 class Fuse(IntEnum):

@@ -28,7 +28,7 @@ from .. import arrays
 from ..errors import ConfigError, UnsupportedError
 from . import _kernels
 from ._kernels import FusedKernels
-from .payload import FLOAT_DTYPES, Payload, Reader
+from .payload import FLOAT_DTYPES, Payload
 
 
 class CodecPlan(Protocol):
@@ -322,23 +322,6 @@ def decode_onto(codec: Compressor, payload: Payload, base: Any, out: Any,
         arrays.assign(out, base)
         return codec.decompress(payload, out, add=True)
     return decode(payload, out, True, base)
-
-
-def widen_onto(codec: Compressor, payload: Payload, base: Any, out: Any, bits: str,
-               widen: Any) -> Any:
-    """:meth:`Compressor.decompress_onto` of a 16-bit cast: buffer ``v`` of dtype ``bits``
-    widened by ``widen(kernels)`` (a ``*_to_f32(h, out, add, base)`` kernel) in one pass
-    for float32 ``out`` and ``base``; else the copy and ``decompress(add=True)``."""
-    r = Reader(payload, codec.name, ("n", "dt"), ("v",), out)
-    dt, n = r.dtype(), r.int("n", 0, 1 << 62)
-    v = r.buffer("v", bits, n)
-    if dt != np.float32 or arrays.dtype_name(out) != "float32" or \
-            arrays.dtype_name(base) != "float32" or arrays.size(out) != n or \
-            arrays.size(base) != n:
-        arrays.assign(out, base)
-        return codec.decompress(payload, out, add=True)
-    widen(_kernels.for_array(out))(arrays.bitcast(v, "uint16"), out, True, base)
-    return out
 
 
 def add_input_tally(tally: np.ndarray | None, x: Any) -> None:

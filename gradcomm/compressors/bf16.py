@@ -21,7 +21,7 @@ import numpy as np
 from . import _kernels
 from ..arrays import dtype_name, size
 from ._options import dtype_code
-from .base import Compressor, as_float32, need_out, reuse, widen_onto
+from .base import Compressor, as_float32, decode_onto, need_out, reuse
 from .payload import Payload, Reader, make_out, payload_nbytes
 
 
@@ -47,6 +47,15 @@ class Bf16Compressor(Compressor):
     def decompress(self, payload: Payload, out: np.ndarray | None = None, *,
                    add: bool = False) -> np.ndarray:
         """Decode into ``out`` (new if None); ``add``: ``out = decoded + out``."""
+        return self._decode(payload, out, add, None)
+
+    def decompress_onto(self, payload: Payload, base: Any, out: Any) -> Any:
+        """``out = decoded + base`` (:meth:`Compressor.decompress_onto`), one pass for
+        float32."""
+        return decode_onto(self, payload, base, out, self._decode)
+
+    def _decode(self, payload: Payload, out: Any, add: bool, base: Any) -> Any:
+        """:meth:`decompress`, adding ``base`` (float32, another array) instead of ``out``."""
         need_out(add, out, self.name)
         r = Reader(payload, self.name, ("n", "dt"), ("v",), out)
         dt = r.dtype()
@@ -55,13 +64,8 @@ class Bf16Compressor(Compressor):
         out = make_out(out, n, dt, like=r.like)
         k = _kernels.for_array(out)
         tmp = _kernels.f32_target(out)
-        k.bf16_to_f32(v, tmp, add and tmp is out)
+        k.bf16_to_f32(v, tmp, add and tmp is out, base)
         return _kernels.f32_finish(tmp, out, k, add)
-
-    def decompress_onto(self, payload: Payload, base: Any, out: Any) -> Any:
-        """``out = decoded + base`` (:meth:`Compressor.decompress_onto`), one pass for
-        float32."""
-        return widen_onto(self, payload, base, out, "uint16", lambda k: k.bf16_to_f32)
 
     def max_nbytes(self, n: int, dtype: str = "float32") -> int:
         return payload_nbytes(self.name, {"n": n, "dt": dtype_code(dtype)}, [("v", "uint16", n)])

@@ -23,7 +23,7 @@ from . import _kernels
 from ._kernels import _numpy
 from ..arrays import assign, bitcast, dtype_name, is_host, size
 from ._options import dtype_code
-from .base import Compressor, need_out, reuse, widen_onto
+from .base import Compressor, decode_onto, need_out, reuse
 from .payload import Payload, Reader, make_out, payload_nbytes
 
 
@@ -54,6 +54,15 @@ class Fp16Compressor(Compressor):
     def decompress(self, payload: Payload, out: np.ndarray | None = None, *,
                    add: bool = False) -> np.ndarray:
         """Decode into ``out`` (new if None); ``add``: ``out = decoded + out``."""
+        return self._decode(payload, out, add, None)
+
+    def decompress_onto(self, payload: Payload, base: Any, out: Any) -> Any:
+        """``out = decoded + base`` (:meth:`Compressor.decompress_onto`), one pass for
+        float32."""
+        return decode_onto(self, payload, base, out, self._decode)
+
+    def _decode(self, payload: Payload, out: Any, add: bool, base: Any) -> Any:
+        """:meth:`decompress`, adding ``base`` (float32, another array) instead of ``out``."""
         need_out(add, out, self.name)
         r = Reader(payload, self.name, ("n", "dt"), ("v",), out)
         dt = r.dtype()
@@ -68,14 +77,9 @@ class Fp16Compressor(Compressor):
         else:
             k = _kernels.for_array(out)
             tmp = _kernels.f32_target(out)
-            k.f16_to_f32(bitcast(v, "uint16"), tmp, add and tmp is out)
+            k.f16_to_f32(bitcast(v, "uint16"), tmp, add and tmp is out, base)
             _kernels.f32_finish(tmp, out, k, add)
         return out
-
-    def decompress_onto(self, payload: Payload, base: Any, out: Any) -> Any:
-        """``out = decoded + base`` (:meth:`Compressor.decompress_onto`), one pass for
-        float32."""
-        return widen_onto(self, payload, base, out, "float16", lambda k: k.f16_to_f32)
 
     def max_nbytes(self, n: int, dtype: str = "float32") -> int:
         return payload_nbytes(self.name, {"n": n, "dt": dtype_code(dtype)}, [("v", "float16", n)])

@@ -306,7 +306,7 @@ def run_ddp(rate: str, args: argparse.Namespace) -> dict[str, Any]:
     out["rc"], rows = _train(rate, args.ddp_variants, args)
     if not rows:
         print(f"   DDP: bench/train.py wrote no results (exit {out['rc']})", flush=True)
-        out["verdicts"] = [("DDP rows", False, f"bench/train.py exit {out['rc']}")]
+        out["verdicts"] = [("bench/train.py rows", False, f"exit {out['rc']}")]
         return out
     floor_rc, floor_rows = _train("none", "ddp", args) if rate != "none" else (0, rows)
     floor = next((r["step_s_mean"] for r in floor_rows if r["variant"] == "ddp"), None)

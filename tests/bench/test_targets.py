@@ -82,6 +82,20 @@ def test_a_missed_ddp_target_is_missed(targets, monkeypatch, capsys) -> None:
     assert "MISSED: 1gbit DDP gc-fp16 <= torch-fp16" in out and "onebit" not in out
 
 
+def test_a_ddp_run_without_rows_is_missed(targets, monkeypatch, capsys) -> None:
+    """bench/train.py that wrote no rows: no DDP target can be met, and the floor is not
+    run for nothing."""
+    monkeypatch.setattr(targets, "run_rate", lambda rate, args: {
+        "rate": rate, "rows": [{"compressor": "int8", "error_feedback": True, "met": True}],
+        "link_ok": True, "bench_rc": 0})
+    calls = []
+    monkeypatch.setattr(targets, "_train", lambda rate, variants, args: (
+        calls.append(rate) or (1, [])))
+    assert targets.main(["--rates", "1gbit", "--ddp"]) == 1
+    assert "MISSED: 1gbit DDP bench/train.py rows" in capsys.readouterr().out
+    assert calls == ["1gbit"]
+
+
 def test_the_docstring_examples_run(targets) -> None:
     import doctest
 

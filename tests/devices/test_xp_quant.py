@@ -329,10 +329,12 @@ def test_many_passes(to, monkeypatch: pytest.MonkeyPatch) -> None:
     fixed_round_trip(to, x, 7, 2.5, True)
 
 
-def test_decoders_add_onto_another_array(to) -> None:
+def test_decoders_add_onto_another_array(to, monkeypatch: pytest.MonkeyPatch) -> None:
     """``decode(..., out, add=True, base=b)``: the reference's bytes of ``out = decoded +
     b`` (and its count of invalid codes) on every array kind, ``b`` untouched, ``out``
     starting as garbage; across several passes (a small pass size)."""
+    monkeypatch.setattr(X, "_CHUNK_CPU", 4096)
+    monkeypatch.setattr(X, "_CHUNK_GPU", 4096)
     rng = np.random.default_rng(12)
     for n, bs in ((4099, 64), (70_001, 1000)):
         nb = -(-n // bs)

@@ -389,13 +389,16 @@ def test_mismatch_raises_on_every_rank(diff: str) -> None:
 @pytest.mark.parametrize("name", ("grid", *compressors.names()))
 def test_hostile_frames_are_payload_errors(name: str) -> None:
     """Random, truncated and bit-flipped frames only ever raise PayloadError (or decode
-    to some values of the right length): never another exception, never a crash."""
+    to some values of the right length): never another exception, never a crash; also
+    where the ring folds onto its input (``mine``: ``decompress_onto``)."""
     codec = Grid(0.25) if name == "grid" else compressors.get(name)
     n = 300
     base = _input(0, n)
+    mine = _input(1, n)
     w = CompressedWire(codec, base, Seeds(0, 0, "k", 0, False))
     good = w.encode(base[:n])
     w.reduce(good, base[:n], True)                  # a good frame decodes
+    w.reduce(good, base[:n], True, mine=mine)
     rng = np.random.default_rng(0)
     for trial in range(300):
         bad = good.copy()
@@ -408,6 +411,10 @@ def test_hostile_frames_are_payload_errors(name: str) -> None:
         with np.errstate(all="ignore"):             # flipped exponent bits: inf + -inf
             try:
                 w.reduce(bad, base[:n], True)
+            except PayloadError:
+                pass
+            try:
+                w.reduce(bad, base[:n], True, mine=mine)
             except PayloadError:
                 pass
             try:

@@ -54,7 +54,7 @@ def measure(nbytes: int, procs: int, reps: int = 20) -> list[dict[str, float]]:
         (2, True)
     """
     n = max(nbytes // 4, 1)
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context("spawn")       # a clean child: no threads or MPI state forked
     barrier, out = ctx.Barrier(procs), ctx.Queue()
     ps = [ctx.Process(target=_passes, args=(n, reps, barrier, out)) for _ in range(procs)]
     for p in ps:

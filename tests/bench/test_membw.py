@@ -4,7 +4,6 @@ the bytes over the measured times."""
 from __future__ import annotations
 
 import doctest
-import importlib.util
 import json
 import subprocess
 import sys
@@ -12,23 +11,14 @@ from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "bench" / "membw.py"
+_BENCH = Path(__file__).resolve().parents[2] / "bench"
+sys.path.insert(0, str(_BENCH))
+import membw  # noqa: E402  (bench/membw.py)
+
+_PATH = _BENCH / "membw.py"
 
 
-@pytest.fixture()
-def membw():
-    spec = importlib.util.spec_from_file_location("gradcomm_bench_membw", _PATH)
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    try:
-        spec.loader.exec_module(mod)
-        yield mod
-    finally:
-        del sys.modules[spec.name]
-
-
-def test_two_processes_stream_at_the_same_time(membw) -> None:
+def test_two_processes_stream_at_the_same_time() -> None:
     rows = membw.measure(4 << 20, procs=2, reps=5)
     assert len(rows) == 2 and membw.overlapped(rows)
     for r in rows:
@@ -37,7 +27,7 @@ def test_two_processes_stream_at_the_same_time(membw) -> None:
         assert r["copy_gbs"] == pytest.approx(2 * (4 << 20) / r["copy_s"] / 1e9)
 
 
-def test_windows_apart_are_not_overlapped(membw) -> None:
+def test_windows_apart_are_not_overlapped() -> None:
     rows = [{"start": 0.0, "end": 1.0}, {"start": 1.5, "end": 2.0}]
     assert not membw.overlapped(rows)
     assert membw.overlapped([{"start": 0.0, "end": 1.0}, {"start": 0.5, "end": 2.0}])
@@ -55,5 +45,5 @@ def test_the_command_line_writes_every_run(tmp_path) -> None:
     assert "overlapped" in p.stdout
 
 
-def test_doctests(membw) -> None:
+def test_doctests() -> None:
     assert doctest.testmod(membw).failed == 0

@@ -28,7 +28,8 @@ from .errors import ConfigError
 
 
 def allreduce(x: Any, comm: Any = None, *, op: str = "sum", algorithm: str = "auto",
-              compressor: Any = None, check: bool | str = True, **options: Any) -> Any:
+              compressor: Any = None, check: bool | str = True, out: Any = None,
+              **options: Any) -> Any:
     """Reduce ``x`` across the ranks of ``comm``; every rank gets the same bytes.
 
     Args:
@@ -45,6 +46,9 @@ def allreduce(x: Any, comm: Any = None, *, op: str = "sum", algorithm: str = "au
             only the first call with these arguments on this transport checks; a later
             disagreement is then caught only by message sizes or the deadline (see
             :func:`gradcomm.collectives.dense_allreduce`). ``False``: no check.
+        out: an array like ``x`` (kind, dtype, shape and device; writable) that receives
+            the result and is returned, as ``recvbuf`` in mpi4py's ``comm.Allreduce``;
+            ``out=x`` is :func:`allreduce_`. See :meth:`Allreduce.__call__`.
 
     Example:
         >>> import numpy as np
@@ -52,17 +56,22 @@ def allreduce(x: Any, comm: Any = None, *, op: str = "sum", algorithm: str = "au
         >>> run_ranks(3, lambda t: allreduce(np.ones(2), t, op="mean").tolist())[2]
         [1.0, 1.0]
     """
-    return _reduce(x, comm, None, op=op, algorithm=algorithm, compressor=compressor,
-                   check=check, **options)
+    if out is x:
+        return allreduce_(x, comm, op=op, algorithm=algorithm, compressor=compressor,
+                          check=check, **options)
+    problem = None if out is None else _out_problem(x, out)
+    return _reduce(x, comm, problem, op=op, algorithm=algorithm, compressor=compressor,
+                   check=check, out=None if problem else out, **options)
 
 
 def _reduce(x: Any, comm: Any, problem: Exception | None, *, op: str = "sum",
             algorithm: str = "auto", compressor: Any = None, check: bool | str = True,
-            in_place: bool = False, **options: Any) -> Any:
+            in_place: bool = False, out: Any = None, **options: Any) -> Any:
     """:func:`allreduce`; ``problem``: this rank's objection to the call, raised here
     before data moves (the other ranks learn of it from the check). ``in_place``
     (:func:`allreduce_`): reduce in ``x``'s own memory where :meth:`Reduction.views`
-    allows it, and return ``x`` then (else the result, as without it)."""
+    allows it, and return ``x`` then (else the result, as without it). ``out`` (checked
+    by :func:`_out_problem`, not ``x``): the result goes there, which is returned."""
     t = get_transport(comm)
     v = small.view(t, x) if check is True and compressor is None and problem is None \
         and not options else None                # numpy or a CPU tensor, small
@@ -70,11 +79,15 @@ def _reduce(x: Any, comm: Any, problem: Exception | None, *, op: str = "sum",
         if in_place:                            # resolved by an earlier call
             call.run(t, v)
             return x
+        if out is not None and (o := small.view(t, out)) is not None:
+            call.run(t, o, v)
+            return out
         return arrays.from_small(call.run(t, v.copy()), x)
     plan = _plan_of(op, algorithm, compressor, check) if not options else None
     if plan is None:
         plan = Reduction(op, algorithm, compressor, options, None, check)
-    got = plan.views(x, t, in_place)
+    into = None if out is None else _into(plan, t, x, out)
+    got = plan.views(x, t, in_place, result=into)
     src, buf, meta = (None, *plan.flat(x, t)) if got is None else got
     y = plan.run(t, buf, meta.dtype, meta=meta, problem=problem, src=src)
     if v is not None:
@@ -83,7 +96,7 @@ def _reduce(x: Any, comm: Any, problem: Exception | None, *, op: str = "sum",
         if y is not buf:
             np.copyto(buf, y)
         return x
-    return arrays.from_flat(y, meta)
+    return _deliver(y, meta, out, into if got is not None else None)
 
 
 #: the option-free Reductions of earlier calls, by (op, algorithm, compressor, check)
@@ -137,6 +150,67 @@ def allreduce_(x: Any, comm: Any = None, **kwargs: Any) -> Any:
     else:
         x.copy_(y) if arrays.kind(x) == "torch" else x.__setitem__(Ellipsis, y)
     return x
+
+
+def _out_problem(x: Any, out: Any) -> ConfigError | None:
+    """Why ``out`` cannot receive the reduction of ``x`` (None: it can): it must be an
+    array of ``x``'s kind, dtype, shape and device, and writable.
+
+    Example:
+        >>> import numpy as np
+        >>> x = np.zeros(4)
+        >>> _out_problem(x, x), _out_problem(x, np.zeros(4))
+        (None, None)
+        >>> print(_out_problem(x, np.zeros(3, np.float32)))
+        out must be an array like x (numpy float64 (4,) on cpu), got numpy float32 (3,) on cpu
+    """
+    try:
+        want, got = arrays.meta_of(x), arrays.meta_of(out)
+    except ConfigError as e:
+        return ConfigError(f"out: {e}")
+
+    def says(m: arrays.Meta) -> str:
+        return f"{m.kind} {m.dtype} {m.shape} on {m.device}"
+    if got != want:
+        return ConfigError(f"out must be an array like x ({says(want)}), got {says(got)}")
+    if type(out) is np.ndarray and not out.flags.writeable:
+        return ConfigError("out is a read-only numpy array")
+    return None
+
+
+def _apart(x: Any, into: np.ndarray) -> bool:
+    """Whether host buffer ``into`` (an ``out``'s flat view) shares no byte with ``x``,
+    which the reduction reads while it writes ``into`` (a strided ``x`` is copied first,
+    so only a contiguous one can collide)."""
+    if not arrays.is_contiguous(x) or not arrays.is_host(x):
+        return True
+    lo, hi = arrays.data_ptr(x), into.ctypes.data
+    return not (lo < hi + into.nbytes and hi < lo + arrays.nbytes(x))
+
+
+def _into(plan: Reduction, t: Any, x: Any, out: Any) -> np.ndarray | None:
+    """``out``'s own memory as the flat host buffer the reduction of ``x`` may work in
+    (:meth:`Reduction.views` of ``out``, in place), or None where it cannot: ``out`` is
+    not such an array, or overlaps ``x`` without being it (the result is then copied in
+    at the end, :func:`_deliver`)."""
+    got = plan.views(out, t, in_place=True)
+    if got is None or (out is not x and not _apart(x, got[1])):
+        return None
+    return got[1]
+
+
+def _deliver(y: Any, meta: arrays.Meta, out: Any, into: np.ndarray | None) -> Any:
+    """The result ``y`` (a flat buffer described by ``meta``) as the caller gets it: a
+    new array (no ``out``), or ``out`` holding it (``into``: ``out``'s memory the
+    reduction worked in, where it did; a route that gave a buffer of its own is copied
+    there)."""
+    if out is None:
+        return arrays.from_flat(y, meta)
+    if into is None:
+        arrays.assign(out, arrays.from_flat(y, meta))
+    elif y is not into:
+        np.copyto(into, y)
+    return out
 
 
 class Allreduce:
@@ -218,20 +292,48 @@ class Allreduce:
             self._transport = get_transport(self.comm)
         return self._transport
 
-    def __call__(self, x: Any, key: str = "default") -> Any:
-        """Reduce ``x`` (not modified); the residual and step of ``key`` are used."""
+    def __call__(self, x: Any, key: str = "default", *, out: Any = None) -> Any:
+        """Reduce ``x`` (not modified, unless it is ``out``); the residual and step of
+        ``key`` are used. Returns the result: a new array, or ``out``.
+
+        ``out``: an array like ``x`` (same kind, dtype, shape and device, writable) that
+        receives the result, as ``recvbuf`` does in mpi4py's ``comm.Allreduce`` and
+        ``out=`` in numpy; ``out=x`` reduces in place. One ``out`` kept across calls
+        saves allocating the result: a fresh 100 MB result costs 3-6 ms of page faults
+        per call on the machine of bench/RESULTS.md. An ``out`` that does not match
+        ``x`` is a ConfigError on this rank, raised before any data moves; the other
+        ranks get a MismatchError from the argument check (or, with ``check=False``, a
+        DeadlineError). An ``out`` that overlaps ``x`` without being ``x`` gets the
+        result copied in at the end.
+
+        Example:
+            >>> import numpy as np
+            >>> from gradcomm.comm import run_ranks
+            >>> def fn(t):
+            ...     ar, y = Allreduce(t, op="sum"), np.empty(2)
+            ...     return ar(np.full(2, t.rank + 1.0), out=y) is y and y.tolist()
+            >>> run_ranks(2, fn)[0]
+            [3.0, 3.0]
+        """
         t = self.transport
         ef = self.error_feedback
+        problem = None if out is None else _out_problem(x, out)
         g2 = src = None
-        if self.guard is not None and type(x) is np.ndarray and x.dtype == np.float32 \
-                and x.flags.c_contiguous and not self._reads(t, x.size):
-            buf = np.empty(x.size, np.float32)      # the copy and the guard's input norm
-            g2 = _kernels.for_size(x.size).copy_sq_norm(x.reshape(-1), buf)    # in one
-            meta = arrays.backend(x).meta(x)                                   # pass
-        elif (got := self.plan.views(x, t)) is not None:    # read where it lies (the
-            src, buf, meta = got                            # route copies it if it must)
+        # where the result goes: out's own memory where it can (its flat host view)
+        into = None if out is None or problem is not None else _into(self.plan, t, x, out)
+        if into is not None and out is x:               # in place: no copy in, none out
+            buf, meta = into, arrays.meta_of(x)
+        elif self.guard is not None and type(x) is np.ndarray and \
+                x.dtype == np.float32 and x.flags.c_contiguous and \
+                not self._reads(t, x.size):
+            buf = np.empty(x.size, np.float32) if into is None else into  # the copy and
+            g2 = _kernels.for_size(x.size).copy_sq_norm(x.reshape(-1), buf)  # the guard's
+            meta = arrays.backend(x).meta(x)                         # input norm in one pass
+        elif (got := self.plan.views(x, t, result=into)) is not None:   # read where it
+            src, buf, meta = got                    # lies (the route copies it if it must)
         else:
             buf, meta = self.plan.flat(x, t)
+            into = None
         compressed = self.plan.compresses(meta.dtype)  # (a sparse gradient may go
         guard = self.guard if compressed else None      # uncompressed through
         norm = None                                     # sparse_allgather)
@@ -243,12 +345,16 @@ class Allreduce:
             ef.tally = np.zeros(2)      # the codecs add their residuals' norms in their pass
         try:
             with background(norm):
-                buf = self.plan.run(t, buf, meta.dtype, meta=meta,
-                                    residuals=ef if compressed else None,
-                                    key=key if compressed else None, src=src)
+                y = self.plan.run(t, buf, meta.dtype, meta=meta,
+                                  residuals=ef if compressed else None,
+                                  key=key if compressed else None, src=src, problem=problem)
             tally, ef.tally = ef.tally, None
         finally:
             ef.tally = None
+        if into is not None and y is not into:          # the route gave a buffer of its own
+            np.copyto(into, y)
+            y = into
+        buf = y
         if norm is not None and guard is not None:
             guard.observe(key, src, norm.value())
         if not compressed:
@@ -262,7 +368,7 @@ class Allreduce:
                 residuals_show_result(self._route(t, arrays.size(buf), meta.dtype))
             if guard.check(t, key, residuals, buf, same=True, e2=e2, shown=shown):
                 ef.clear(key)
-        return arrays.from_flat(buf, meta)
+        return _deliver(buf, meta, None if problem else out, into)
 
     def _reads(self, t: Any, n: int) -> bool:
         """Whether a float32 host call of ``n`` elements takes a route that reads its

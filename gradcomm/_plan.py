@@ -184,7 +184,7 @@ class Reduction:
             return arrays.placement(meta, t.devices)
         return "host" if type(x) is np.ndarray else arrays.placement(meta, codecs=True)
 
-    def views(self, x: Any, t: Any, in_place: bool = False
+    def views(self, x: Any, t: Any, in_place: bool = False, result: Any = None
               ) -> tuple[Any, Any, arrays.Meta] | None:
         """``(src, buf, meta)`` where the reduction can work in ``x``'s own memory instead
         of :meth:`flat`'s copy (a host array :meth:`flat` would place on the host: a
@@ -195,7 +195,8 @@ class Reduction:
         - else, for a reduction of one pipeline chunk and more (below it the latency
           algorithms copy it in anyway): ``(x's flat view, an empty result buffer,
           meta)``, so the reduction reads ``x`` where it lies (``run(..., src=view)``;
-          a compressed route that cannot copies it in first)."""
+          a compressed route that cannot copies it in first); ``result``: that buffer
+          instead of a new one (a flat host array of ``x``'s storage dtype and size)."""
         b = arrays.backend(x)
         if not in_place and b.nbytes(x) < PIPELINE_CHUNK:
             return None
@@ -203,7 +204,9 @@ class Reduction:
         if self._where(x, meta, t) != "host" or not _viewable(b, x, meta):
             return None
         view = b.host_view(x)
-        return (None, view, meta) if in_place else (view, np.empty_like(view), meta)
+        if in_place:
+            return None, view, meta
+        return view, np.empty_like(view) if result is None else result, meta
 
     def run(self, t: Any, buf: Any, dtype: str, *, op: str | None = None,
             meta: arrays.Meta | None = None, residuals: ResidualStore | None = None,

@@ -2,7 +2,7 @@
 
 A checked dense allreduce below one pipeline chunk that goes to ``MPI_Allreduce`` is
 resolved once per (count, dtype, op, algorithm); later calls skip the general path (numpy
-arrays, CPU tensors, ``wrap(comm).Allreduce``). Each case checks that the short cut was taken (the general path's ``dense_allreduce`` not
+arrays, also into ``out=``, CPU tensors, ``wrap(comm).Allreduce``). Each case checks that the short cut was taken (the general path's ``dense_allreduce`` not
 called), the exact result (per-rank integers, no period) at counts 1, 2 (< p), 5 (not
 divisible by p) and 1000, and that it is still a checked call: a rank passing another
 count, op or dtype is a MismatchError on every rank (whether or not the others took the
@@ -56,8 +56,11 @@ def small_calls() -> dict[str, Any]:
                 y = gradcomm.allreduce(x, t, op=op)
                 z = x.copy()
                 gradcomm.allreduce_(z, t, op=op)
+                w = np.full_like(x, 7)          # out=: written by the short cut too
                 if y.tobytes() != want or z.tobytes() != want or y.shape != x.shape or \
-                        np.shares_memory(x, y):
+                        np.shares_memory(x, y) or \
+                        gradcomm.allreduce(x, t, op=op, out=w) is not w or \
+                        w.tobytes() != want:
                     out["wrong"].append((dtype, op, n, i))
             out["general"].append(general[0] - before)
             assert x.tobytes() == exact_input(rank, n, dtype, op).tobytes()

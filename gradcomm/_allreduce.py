@@ -89,7 +89,8 @@ def _reduce(x: Any, comm: Any, problem: Exception | None, *, op: str = "sum",
     into = None if out is None else _into(plan, t, x, out)
     got = plan.views(x, t, in_place, result=into)
     src, buf, meta = (None, *plan.flat(x, t)) if got is None else got
-    y = plan.run(t, buf, meta.dtype, meta=meta, problem=problem, src=src)
+    y = plan.run(t, buf, meta.dtype, meta=meta, problem=problem, src=src,
+                 kept=into is not None and buf is into)
     if v is not None:
         small.install(t, v.size, v.dtype, op, algorithm)
     if in_place and got is not None:            # buf is x's own memory
@@ -347,7 +348,8 @@ class Allreduce:
             with background(norm):
                 y = self.plan.run(t, buf, meta.dtype, meta=meta,
                                   residuals=ef if compressed else None,
-                                  key=key if compressed else None, src=src, problem=problem)
+                                  key=key if compressed else None, src=src, problem=problem,
+                                  kept=into is not None and buf is into)
             tally, ef.tally = ef.tally, None
         finally:
             ef.tally = None

@@ -211,14 +211,16 @@ class Reduction:
     def run(self, t: Any, buf: Any, dtype: str, *, op: str | None = None,
             meta: arrays.Meta | None = None, residuals: ResidualStore | None = None,
             key: str | None = None, problem: Exception | None = None,
-            src: Any = None) -> Any:
+            src: Any = None, kept: bool = False) -> Any:
         """Reduce flat ``buf`` (logical ``dtype``) on transport ``t``; returns the result
         (``buf`` or a new flat buffer). ``meta``: the user's array, whose shape codecs
         that view their input by its shape (``uses_shape``) are given; ``residuals`` and
         ``key``: error feedback and the step of ``key`` (compressed calls); ``problem``:
         the caller's objection to this rank's call, raised on this rank before data moves
         (the others learn of it from the cross-rank check); ``src`` (from
-        :meth:`views`): the values to reduce into ``buf``, read where they lie."""
+        :meth:`views`): the values to reduce into ``buf``, read where they lie;
+        ``kept``: ``buf`` is memory the caller keeps (an ``out=`` array), so a route that
+        sums into zeros fills it rather than returning fresh zero pages."""
         op = op or self.op
         if not self.compresses(dtype, op):
             check_options(self.compressor, self.options)
@@ -232,4 +234,4 @@ class Reduction:
         return compressed_allreduce(t, buf, dtype, op=op, algorithm=self.algorithm,
                                     compressor=self.compressor or "none", check=self.check,
                                     seed=self.seed, residuals=residuals, key=key,
-                                    problem=problem, src=src, **options)
+                                    problem=problem, src=src, kept=kept, **options)

@@ -56,7 +56,7 @@ def compressed_allreduce(t: Transport, buf: Any, dtype: str, *, op: str, algorit
                          compressor: Any, check: bool = True, seed: int | None = None,
                          residuals: ResidualStore | None = None, key: str | None = None,
                          problem: Exception | None = None, src: Any = None,
-                         **options: Any) -> Any:
+                         kept: bool = False, **options: Any) -> Any:
     """Allreduce flat storage ``buf`` of logical ``dtype`` through ``compressor``.
 
     ``buf`` may be overwritten; the result (flat, storage dtype) is returned. ``residuals``
@@ -69,7 +69,8 @@ def compressed_allreduce(t: Transport, buf: Any, dtype: str, *, op: str, algorit
     ``problem``: the caller's own objection to this rank's arguments, raised like them.
     ``src``: this rank's values, of ``buf``'s size and dtype (host), read where they lie
     and not modified; ``buf``'s contents are then ignored (a route that cannot read
-    ``src`` copies it into ``buf`` first).
+    ``src`` copies it into ``buf`` first). ``kept``: ``buf`` is memory the caller keeps
+    (an ``out=`` array): the sparse route sums into it, zeroed, instead of fresh pages.
     """
     low_rank = _is_powersgd(compressor)
     if src is not None and low_rank:
@@ -131,7 +132,7 @@ def compressed_allreduce(t: Transport, buf: Any, dtype: str, *, op: str, algorit
         if route == "auto" and t.size > 1 and n:
             route = route_of(t, codec, n, dtype, device=not arrays.is_host(buf))
         out = routes.run(t, buf, dtype, op, route, codec, int(seed), step, residuals, key,
-                         src=src)
+                         src=src, kept=kept)
     if residuals is not None:
         residuals.advance(key)
     return out

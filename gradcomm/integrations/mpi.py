@@ -233,7 +233,8 @@ class GradcommComm:
         return self.gradcomm_plan.compresses(dtype, op)
 
     def _gradcomm_reduce(self, buf: Any, dtype: str, op: str, src: Any = None) -> None:
-        out = self.gradcomm_plan.run(self.gradcomm_transport, buf, dtype, op=op, src=src)
+        out = self.gradcomm_plan.run(self.gradcomm_transport, buf, dtype, op=op, src=src,
+                                     kept=src is not None)     # buf: the user's recvbuf
         if out is not buf:
             arrays.assign(buf, out)
 

@@ -16,7 +16,9 @@ A variant is ``[new:|base:]codec[:key=value...]/algorithm`` (``dense``: no compr
 The options ``ef=1`` and ``guard=0|1`` time a stateful ``gradcomm.Allreduce(op="sum",
 error_feedback=True, guard=...)`` (one per variant, one key) instead of the stateless
 call, e.g. ``onebit:ef=1:guard=1/auto onebit:ef=1:guard=0/auto`` for the divergence
-guard's cost, and ``pipe=0|1`` sets ``GRADCOMM_PIPELINE`` for that variant's calls only
+guard's cost, ``out=1`` writes each call's result into an ``out=`` array kept for the
+variant (as ``MPI_Allreduce``'s recvbuf; without it every call returns a new array), and
+``pipe=0|1`` sets ``GRADCOMM_PIPELINE`` for that variant's calls only
 (the pipelined compressed ring off or forced), and ``chunk=BYTES`` sets
 ``gradcomm.compressed.routes.CHUNK_BYTES`` (the compressed message of the per-hop ring
 and tree) and ``span=BYTES`` its ``MAX_SPAN_BYTES`` (the most dense bytes one message
@@ -74,15 +76,18 @@ def main() -> None:
         pipe = opts.pop("pipe", None)
         chunk = opts.pop("chunk", None)
         span = opts.pop("span", None)
+        out = np.empty_like(x) if opts.pop("out", 0) else None
         if opts.pop("ef", 0):
             ar = mod.Allreduce(comm, op="sum", algorithm=alg, compressor=comp,
                                error_feedback=True, guard=bool(opts.pop("guard", 1)), **opts)
             assert type(ar).__module__.startswith(mod.__name__ + "."), \
                 f"{spec}: {type(ar).__module__} is not {pkg}'s code"
-            call = lambda: ar(x, key="x")  # noqa: E731
+            call = (lambda: ar(x, key="x")) if out is None else \
+                (lambda: ar(x, key="x", out=out))
         else:
+            kept = {} if out is None else {"out": out}
             call = lambda: mod.allreduce(  # noqa: E731
-                x, comm, algorithm=alg, compressor=comp, **opts)
+                x, comm, algorithm=alg, compressor=comp, **kept, **opts)
         if pipe is None and chunk is None and span is None:
             return call
         routes = mod.compressed.routes

@@ -73,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compressed rows without and with error feedback "
                         "(gradcomm.Allreduce(error_feedback=True), the DDP hook's default; "
                         "contractive codecs only): both (default), off, only")
+    p.add_argument("--fresh-result", action="store_true",
+                   help="gradcomm rows return a new array per call (y = allreduce(x)) "
+                        "instead of writing into an out= array kept for the row, as the "
+                        "baseline writes into its preallocated recvbuf (default: kept)")
     p.add_argument("--no-check", action="store_true",
                    help="also measure each algorithm with check=False (no cross-rank "
                         "argument check), to show what the check costs")
@@ -147,6 +151,8 @@ def _banner(env: dict[str, Any], plan: Plan) -> list[str]:
         if load else f"# {env['hostname']}, {env['date']}; {lib}",
         f"# time: variants interleaved in {plan.rounds} rounds per size; barrier, then "
         "perf_counter around each call; avg/min/max = over ranks of each rank's mean (OSU);",
+        "# results: " + ("a new array per call (--fresh-result)" if plan.fresh_result else
+                         "into an out= array kept per row, as the baseline's recvbuf"),
         f"# algbw = size/avg (mean), busbw = algbw*{_factor(plan)} (nccl-tests); "
         "p50/p95 = over "
         "calls of the slowest rank's time; spread = round means (max-min)/avg;",
@@ -213,7 +219,7 @@ def _report(t: Any, args: argparse.Namespace, plan: Plan, baseline: Baseline | N
     config = {"sizes": plan.sizes, "variants": [v.label for v in plan.variants],
               "dtype": plan.dtype, "op": plan.op, "iters": plan.iters,
               "warmup": plan.warmup, "min_iters": plan.min_iters, "rounds": plan.rounds,
-              "collective": plan.collective,
+              "collective": plan.collective, "fresh_result": plan.fresh_result,
               "report_variant": args.report_variant or "auto"}
     if args.json:
         report.write_json(args.json, env, config, rows, summary)

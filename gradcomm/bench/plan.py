@@ -200,6 +200,7 @@ def make_plan(args: argparse.Namespace, baseline: str | None) -> Plan:
                           f"{', '.join(v.label for v in variants)}")
     return Plan(sizes=sizes, variants=variants, dtype=args.dtype, op=args.op,
                 iters=args.iters, warmup=args.warmup, min_iters=args.min_iters,
-                rounds=args.rounds, collective=collective)
+                rounds=args.rounds, collective=collective,
+                fresh_result=bool(getattr(args, "fresh_result", False)))
 
 

@@ -77,6 +77,9 @@ class Plan:
     rounds: int = 5
     #: "allreduce" or "reduce_scatter" (:mod:`gradcomm.bench.rs`)
     collective: str = "allreduce"
+    #: gradcomm allreduce rows return a new array per call (``y = allreduce(x)``) instead
+    #: of writing into an ``out=`` array kept for the row, as the baseline's ``recvbuf``
+    fresh_result: bool = False
 
 
 @dataclass

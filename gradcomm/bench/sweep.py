@@ -185,6 +185,8 @@ class _Run:
             return call
         options = dict(v.options)
         alg, comp, check, op = v.algorithm, v.compressor, v.check, self.op
+        # the result goes where the baseline's does: into an array kept for the row
+        out = None if self.plan.fresh_result else arrays.empty(arrays.meta_of(arr))
         if v.error_feedback:
             from ..error_feedback import ErrorFeedback
 
@@ -192,9 +194,9 @@ class _Run:
                                               error_feedback=True, check=check, **options)
             # the replay's residual stores, one per rank, updated as each rank's is
             self.stores = [ErrorFeedback() for _ in range(t.size)]
-            return lambda: ar(arr, key=KEY)
+            return lambda: ar(arr, key=KEY, out=out)
         return lambda: gradcomm.allreduce(arr, t, op=op, algorithm=alg, compressor=comp,
-                                          check=check, **options)
+                                          check=check, out=out, **options)
 
     def _codec_contract(self, x: np.ndarray) -> int:
         """All ``n`` elements when this rank's codec round trip does not shrink its input,

@@ -508,3 +508,37 @@ def test_every_codec_at_its_defaults_is_clean_in_the_bench(tmp_path):
     assert {(r["label"], r["wrong"]) for r in rows} == {
         (f"auto+{n}{e}", 0) for n in names for e in ("", "+ef")}, rows
     assert code == 0
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+def test_rows_write_into_a_kept_out_as_the_baseline_does(fresh: bool, monkeypatch):
+    """By default every gradcomm allreduce row passes one ``out=`` array, kept for the row,
+    to every call (as ``MPI_Allreduce`` gets its preallocated recvbuf); with
+    ``--fresh-result`` none, so each call returns a new array. Either way clean."""
+    import gradcomm
+
+    seen: dict[str, list] = {}
+    real_fn, real_call = gradcomm.allreduce, gradcomm.Allreduce.__call__
+
+    def fn(x, comm=None, **kw):
+        seen.setdefault(f"fn{comm.rank}", []).append(kw.get("out"))
+        return real_fn(x, comm, **kw)
+
+    def call(self, x, key="default", **kw):
+        seen.setdefault(f"ef{self.transport.rank}", []).append(kw.get("out"))
+        return real_call(self, x, key, **kw)
+
+    monkeypatch.setattr(gradcomm, "allreduce", fn)
+    monkeypatch.setattr(gradcomm.Allreduce, "__call__", call)
+    vs = [Variant("ring", "fp16", error_feedback=ef) for ef in (False, True)]
+    plan = Plan(sizes=[1 << 20], variants=vs, iters=3, warmup=1, rounds=1,
+                fresh_result=fresh)
+    rows = run_ranks(2, lambda t: sweep(t, plan))[0]
+    assert [r.wrong for r in rows] == [0, 0]
+    assert sorted(seen) == ["ef0", "ef1", "fn0", "fn1"]
+    for outs in seen.values():
+        assert len(outs) >= 4
+        if fresh:
+            assert all(o is None for o in outs)
+        else:
+            assert outs[0] is not None and all(o is outs[0] for o in outs)

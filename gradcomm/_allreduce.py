@@ -370,7 +370,7 @@ class Allreduce:
                 residuals_show_result(self._route(t, arrays.size(buf), meta.dtype))
             if guard.check(t, key, residuals, buf, same=True, e2=e2, shown=shown):
                 ef.clear(key)
-        return _deliver(buf, meta, None if problem else out, into)
+        return _deliver(buf, meta, out, into)
 
     def _reads(self, t: Any, n: int) -> bool:
         """Whether a float32 host call of ``n`` elements takes a route that reads its

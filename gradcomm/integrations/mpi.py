@@ -233,8 +233,9 @@ class GradcommComm:
         return self.gradcomm_plan.compresses(dtype, op)
 
     def _gradcomm_reduce(self, buf: Any, dtype: str, op: str, src: Any = None) -> None:
+        # buf is the user's recvbuf (host memory in place: the sparse route sums there)
         out = self.gradcomm_plan.run(self.gradcomm_transport, buf, dtype, op=op, src=src,
-                                     kept=src is not None)     # buf: the user's recvbuf
+                                     kept=src is not None and arrays.is_host(buf))
         if out is not buf:
             arrays.assign(buf, out)
 

@@ -20,7 +20,7 @@ Example:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Callable, ClassVar, Mapping, Protocol, Sequence
+from typing import Any, ClassVar, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -310,18 +310,43 @@ def compose(codec: Compressor, x: np.ndarray, seed: Any, out: Any, residual: Any
     return payload
 
 
-def decode_onto(codec: Compressor, payload: Payload, base: Any, out: Any,
-                decode: Callable[[Payload, Any, bool, Any], Any]) -> Any:
-    """:meth:`Compressor.decompress_onto` of a codec whose decoder adds ``base`` in its
-    pass: ``decode(payload, out, True, base)`` (its ``decompress`` with ``base`` added
-    instead of ``out``) for float32 ``out`` and ``base`` of one size and kind; else the
-    copy and ``decompress(add=True)``."""
-    if arrays.dtype_name(out) != "float32" or arrays.dtype_name(base) != "float32" or \
-            arrays.size(base) != arrays.size(out) or \
-            arrays.is_host(base) != arrays.is_host(out):
-        arrays.assign(out, base)
-        return codec.decompress(payload, out, add=True)
-    return decode(payload, out, True, base)
+class DecodesOnto(Compressor):
+    """A codec whose decoder can add another array in its own pass: it implements
+    :meth:`_decode` and gets :meth:`decompress` and :meth:`decompress_onto` from it (the
+    int8, qsgd, terngrad, onebit and 16-bit casts).
+
+    Example:
+        >>> import numpy as np
+        >>> from gradcomm import compressors
+        >>> c = compressors.get("fp16")
+        >>> isinstance(c, DecodesOnto), c.decodes_onto
+        (True, True)
+        >>> x, base = np.arange(4, dtype=np.float32), np.ones(4, np.float32)
+        >>> c.decompress_onto(c.compress(x), base, np.empty(4, np.float32)).tolist()
+        [1.0, 2.0, 3.0, 4.0]
+    """
+
+    decodes_onto = True
+
+    def decompress(self, payload: Payload, out: Any = None, *, add: bool = False) -> Any:
+        """Decode into ``out`` (new if None); ``add``: ``out = decoded + out``."""
+        return self._decode(payload, out, add, None)
+
+    def decompress_onto(self, payload: Payload, base: Any, out: Any) -> Any:
+        """``out = decoded + base`` (:meth:`Compressor.decompress_onto`): one pass for
+        float32 ``out`` and ``base`` of one size and kind, else the copy and
+        ``decompress(add=True)``."""
+        if arrays.dtype_name(out) != "float32" or arrays.dtype_name(base) != "float32" or \
+                arrays.size(base) != arrays.size(out) or \
+                arrays.is_host(base) != arrays.is_host(out):
+            arrays.assign(out, base)
+            return self.decompress(payload, out, add=True)
+        return self._decode(payload, out, True, base)
+
+    @abstractmethod
+    def _decode(self, payload: Payload, out: Any, add: bool, base: Any) -> Any:
+        """:meth:`decompress`, adding ``base`` (float32, another array) instead of ``out``
+        where it is given."""
 
 
 def add_input_tally(tally: np.ndarray | None, x: Any) -> None:

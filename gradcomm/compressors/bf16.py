@@ -21,11 +21,11 @@ import numpy as np
 from . import _kernels
 from ..arrays import dtype_name, size
 from ._options import dtype_code
-from .base import Compressor, as_float32, decode_onto, need_out, reuse
+from .base import DecodesOnto, as_float32, need_out, reuse
 from .payload import Payload, Reader, make_out, payload_nbytes
 
 
-class Bf16Compressor(Compressor):
+class Bf16Compressor(DecodesOnto):
     """Round to bfloat16; decode widens back to the input's dtype."""
 
     name = "bf16"
@@ -33,7 +33,6 @@ class Bf16Compressor(Compressor):
     reuses_out = True
     fuses_feedback = True
     decodes_add = True
-    decodes_onto = True
 
     def _encode(self, x: Any, seed: Any, out: Payload | None, fk: Any, residual: Any,
                 decoded: Any) -> Payload:
@@ -44,18 +43,7 @@ class Bf16Compressor(Compressor):
             _kernels.for_array(x).f32_to_bf16(as_float32(x), v)
         return Payload(self.name, {"n": size(x), "dt": dtype_code(dtype_name(x))}, {"v": v})
 
-    def decompress(self, payload: Payload, out: np.ndarray | None = None, *,
-                   add: bool = False) -> np.ndarray:
-        """Decode into ``out`` (new if None); ``add``: ``out = decoded + out``."""
-        return self._decode(payload, out, add, None)
-
-    def decompress_onto(self, payload: Payload, base: Any, out: Any) -> Any:
-        """``out = decoded + base`` (:meth:`Compressor.decompress_onto`), one pass for
-        float32."""
-        return decode_onto(self, payload, base, out, self._decode)
-
     def _decode(self, payload: Payload, out: Any, add: bool, base: Any) -> Any:
-        """:meth:`decompress`, adding ``base`` (float32, another array) instead of ``out``."""
         need_out(add, out, self.name)
         r = Reader(payload, self.name, ("n", "dt"), ("v",), out)
         dt = r.dtype()

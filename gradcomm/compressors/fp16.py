@@ -23,11 +23,11 @@ from . import _kernels
 from ._kernels import _numpy
 from ..arrays import assign, bitcast, dtype_name, is_host, size
 from ._options import dtype_code
-from .base import Compressor, decode_onto, need_out, reuse
+from .base import DecodesOnto, need_out, reuse
 from .payload import Payload, Reader, make_out, payload_nbytes
 
 
-class Fp16Compressor(Compressor):
+class Fp16Compressor(DecodesOnto):
     """Cast to float16; decode widens back to the input's dtype."""
 
     name = "fp16"
@@ -35,7 +35,6 @@ class Fp16Compressor(Compressor):
     reuses_out = True
     fuses_feedback = True
     decodes_add = True
-    decodes_onto = True
 
     def _encode(self, x: Any, seed: Any, out: Payload | None, fk: Any, residual: Any,
                 decoded: Any) -> Payload:
@@ -51,18 +50,7 @@ class Fp16Compressor(Compressor):
             _numpy.f32_to_f16(x, v.view(np.uint16))
         return Payload(self.name, {"n": n, "dt": dtype_code(dt)}, {"v": v})
 
-    def decompress(self, payload: Payload, out: np.ndarray | None = None, *,
-                   add: bool = False) -> np.ndarray:
-        """Decode into ``out`` (new if None); ``add``: ``out = decoded + out``."""
-        return self._decode(payload, out, add, None)
-
-    def decompress_onto(self, payload: Payload, base: Any, out: Any) -> Any:
-        """``out = decoded + base`` (:meth:`Compressor.decompress_onto`), one pass for
-        float32."""
-        return decode_onto(self, payload, base, out, self._decode)
-
     def _decode(self, payload: Payload, out: Any, add: bool, base: Any) -> Any:
-        """:meth:`decompress`, adding ``base`` (float32, another array) instead of ``out``."""
         need_out(add, out, self.name)
         r = Reader(payload, self.name, ("n", "dt"), ("v",), out)
         dt = r.dtype()

@@ -36,7 +36,7 @@ import numpy as np
 from . import _kernels
 from ..arrays import dtype_name, size
 from ._options import dtype_code, one_of, positive_int, seed_words
-from .base import Compressor, as_float32, decode_onto, need_out, reuse
+from .base import Compressor, DecodesOnto, as_float32, need_out, reuse
 from .payload import Payload, Reader, make_out, payload_nbytes
 from ..errors import ConfigError, PayloadError
 
@@ -65,7 +65,7 @@ class Bucketed(Compressor):
         return {"bucket_size": self.bucket_size}
 
 
-class Int8Compressor(Compressor):
+class Int8Compressor(DecodesOnto):
     """Uniform quantizer: per-bucket min/max levels, or symmetric levels of a shared scale."""
 
     options = ("bits", "bucket_size", "rounding", "scale")
@@ -75,7 +75,6 @@ class Int8Compressor(Compressor):
     reuses_out = True
     fuses_feedback = True
     decodes_add = True
-    decodes_onto = True
 
     def __init__(self, bits: int = 8, bucket_size: int = 1024, rounding: str = "nearest",
                  scale: float | None = None) -> None:
@@ -129,18 +128,7 @@ class Int8Compressor(Compressor):
             k.minmax_encode(x32, *args)
         return Payload(self.name, header, {"lo": lo, "unit": unit, "q": q})
 
-    def decompress(self, payload: Payload, out: np.ndarray | None = None, *,
-                   add: bool = False) -> np.ndarray:
-        """Decode into ``out`` (new if None); ``add``: ``out = decoded + out``."""
-        return self._decode(payload, out, add, None)
-
-    def decompress_onto(self, payload: Payload, base: Any, out: Any) -> Any:
-        """``out = decoded + base`` (:meth:`Compressor.decompress_onto`), one pass for
-        float32."""
-        return decode_onto(self, payload, base, out, self._decode)
-
     def _decode(self, payload: Payload, out: Any, add: bool, base: Any) -> Any:
-        """:meth:`decompress`, adding ``base`` (float32, another array) instead of ``out``."""
         need_out(add, out, self.name)
         shared = isinstance(payload, Payload) and isinstance(payload.header, dict) and \
             "sc" in payload.header

@@ -22,13 +22,13 @@ import numpy as np
 from . import _kernels
 from ..arrays import dtype_name, size
 from ._options import dtype_code
-from .base import as_float32, decode_onto, need_out, reuse
+from .base import DecodesOnto, as_float32, need_out, reuse
 from .payload import Payload, Reader, make_out, payload_nbytes
 from .int8 import MAX_BUCKET, Bucketed
 from ..errors import PayloadError
 
 
-class OneBitCompressor(Bucketed):
+class OneBitCompressor(DecodesOnto, Bucketed):
     """Sign bits with per-bucket means of the two sign groups."""
 
     name = "onebit"
@@ -36,7 +36,6 @@ class OneBitCompressor(Bucketed):
     reuses_out = True
     fuses_feedback = True
     decodes_add = True
-    decodes_onto = True
 
     def __init__(self, bucket_size: int = 2048) -> None:
         super().__init__(bucket_size)
@@ -55,18 +54,7 @@ class OneBitCompressor(Bucketed):
         return Payload(self.name, {"n": n, "dt": dtype_code(dtype_name(x)), "bs": bs},
                        {"pos": pos, "neg": neg, "q": q})
 
-    def decompress(self, payload: Payload, out: np.ndarray | None = None, *,
-                   add: bool = False) -> np.ndarray:
-        """Decode into ``out`` (new if None); ``add``: ``out = decoded + out``."""
-        return self._decode(payload, out, add, None)
-
-    def decompress_onto(self, payload: Payload, base: Any, out: Any) -> Any:
-        """``out = decoded + base`` (:meth:`Compressor.decompress_onto`), one pass for
-        float32."""
-        return decode_onto(self, payload, base, out, self._decode)
-
     def _decode(self, payload: Payload, out: Any, add: bool, base: Any) -> Any:
-        """:meth:`decompress`, adding ``base`` (float32, another array) instead of ``out``."""
         need_out(add, out, self.name)
         r = Reader(payload, self.name, ("n", "dt", "bs"), ("pos", "neg", "q"), out)
         dt, bs = r.dtype(), r.int("bs", 8, MAX_BUCKET)

@@ -27,7 +27,7 @@ import numpy as np
 from . import _kernels
 from ..arrays import dtype_name, size
 from ._options import dtype_code, positive_int, seed_words
-from .base import Compressor, as_float32, decode_onto, need_out, reuse
+from .base import DecodesOnto, as_float32, need_out, reuse
 from .payload import Payload, Reader, make_out, payload_nbytes
 from .int8 import MAX_BUCKET, bucket_option
 from ..errors import ConfigError, PayloadError
@@ -40,7 +40,7 @@ def code_bits(levels: int) -> int:
     return 1 + int(levels).bit_length()
 
 
-class QSGDCompressor(Compressor):
+class QSGDCompressor(DecodesOnto):
     """Unbiased stochastic quantization to ``levels`` levels of the bucket's L2 norm."""
 
     options = ("levels", "bits", "bucket_size")
@@ -50,7 +50,6 @@ class QSGDCompressor(Compressor):
     reuses_out = True
     fuses_feedback = True
     decodes_add = True
-    decodes_onto = True
 
     def __init__(self, levels: int | None = None, bits: int | None = None,
                  bucket_size: int = 512) -> None:
@@ -82,18 +81,7 @@ class QSGDCompressor(Compressor):
         return Payload(self.name, {"n": n, "dt": dtype_code(dtype_name(x)), "s": s, "bs": bs},
                        {"norm": norm, "q": q})
 
-    def decompress(self, payload: Payload, out: np.ndarray | None = None, *,
-                   add: bool = False) -> np.ndarray:
-        """Decode into ``out`` (new if None); ``add``: ``out = decoded + out``."""
-        return self._decode(payload, out, add, None)
-
-    def decompress_onto(self, payload: Payload, base: Any, out: Any) -> Any:
-        """``out = decoded + base`` (:meth:`Compressor.decompress_onto`), one pass for
-        float32."""
-        return decode_onto(self, payload, base, out, self._decode)
-
     def _decode(self, payload: Payload, out: Any, add: bool, base: Any) -> Any:
-        """:meth:`decompress`, adding ``base`` (float32, another array) instead of ``out``."""
         need_out(add, out, self.name)
         r = Reader(payload, self.name, ("n", "dt", "s", "bs"), ("norm", "q"), out)
         dt, s, bs = r.dtype(), r.int("s", 1, MAX_LEVELS), r.int("bs", 8, MAX_BUCKET)

@@ -40,6 +40,20 @@ def _x(rank: int, step: int, n: int) -> np.ndarray:
     return np.random.default_rng([rank, step, n]).standard_normal(n).astype(np.float32)
 
 
+def _three_ways(x: np.ndarray, out: np.ndarray, fresh: Any, kept: Any, inplace: Any
+                ) -> bytes:
+    """``x`` reduced into a new array (``fresh(x)``), into ``out`` (``kept(x, out)``, which
+    must return ``out`` and leave ``x`` alone) and in place (``inplace`` of a copy, which
+    must return it): the three hold the same bytes, returned."""
+    before = x.copy()
+    a = fresh(x)
+    assert kept(x, out) is out and x.tobytes() == before.tobytes()
+    c = x.copy()
+    assert inplace(c) is c
+    assert a.tobytes() == out.tobytes() == c.tobytes()
+    return a.tobytes()
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("spec,algorithm", ROUTES)
 def test_out_holds_the_bytes_of_a_fresh_result(spec: str | None, algorithm: str) -> None:
@@ -54,15 +68,10 @@ def test_out_holds_the_bytes_of_a_fresh_result(spec: str | None, algorithm: str)
             fresh, kept, inplace = (_ar(t, spec, algorithm) for _ in range(3))
             out = np.full(n, np.nan, np.float32)
             for step in range(3):
-                x = _x(t.rank, step, n)
-                before = x.copy()
-                a = fresh(x, key="w")
-                b = kept(x, key="w", out=out)
-                assert b is out and x.tobytes() == before.tobytes()
-                c = x.copy()
-                assert inplace(c, key="w", out=c) is c
-                assert a.tobytes() == b.tobytes() == c.tobytes(), (n, step)
-                got.append(a.tobytes())
+                got.append(_three_ways(_x(t.rank, step, n), out,
+                                       lambda x: fresh(x, key="w"),
+                                       lambda x, o: kept(x, key="w", out=o),
+                                       lambda x: inplace(x, key="w", out=x)))
         return got
 
     res = run_ranks(3, fn, timeout=200)
@@ -82,15 +91,10 @@ def test_the_function_takes_out_too(kw: dict) -> None:
         got = []
         for n in COUNTS:
             for step in range(2):
-                x = _x(t.rank, step, n)
-                before = x.copy()
-                a = gradcomm.allreduce(x, t, **kw)
-                out = np.full(n, np.nan, np.float32)
-                assert gradcomm.allreduce(x, t, out=out, **kw) is out
-                assert x.tobytes() == before.tobytes()
-                assert gradcomm.allreduce(x, t, out=x, **kw) is x
-                assert a.tobytes() == out.tobytes() == x.tobytes(), (n, step)
-                got.append(a.tobytes())
+                got.append(_three_ways(_x(t.rank, step, n), np.full(n, np.nan, np.float32),
+                                       lambda x: gradcomm.allreduce(x, t, **kw),
+                                       lambda x, o: gradcomm.allreduce(x, t, out=o, **kw),
+                                       lambda x: gradcomm.allreduce(x, t, out=x, **kw)))
         return got
 
     res = run_ranks(3, fn, timeout=100)

@@ -20,9 +20,9 @@ Targets: at 1 Gbit/s dense ring >= 0.95, fp16 (ring) >= 1.85, int8 >= 3.5, onebi
 topk (1 %) >= 20; at 10 Gbit/s every compressor >= 1.5. ``--ddp`` adds one line per
 DDP hook (``bench/train.py`` on the same link: step time, bytes per step, link
 utilisation) and judges the DDP targets (:func:`ddp_verdicts`), with DDP over the
-uncapped loopback as the compute floor. A target is only called met when the link check held (``ok``), the
-benchmark exited 0 and the row's ``#wrong`` is 0 (every timed call checked against the
-exact replay); the script exits 1 otherwise. At least 10 timed calls per row (``--iters``,
+uncapped loopback as the compute floor. A target is only called met when the link check
+held (``ok``), the benchmark exited 0 and the row's ``#wrong`` is 0 (every timed call
+checked against the exact replay); the script exits 1 otherwise. At least 10 timed calls per row (``--iters``,
 split over ``--rounds``). Needs root (namespaces) and a quiet machine: the ratio at
 10 Gbit/s is set by codec speed, and a CPU shared with other work shows up as a lower
 ratio.

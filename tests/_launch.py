@@ -315,7 +315,7 @@ def _worker(kind: str, path: str, qualname: str, args: str) -> None:
         rank = MPI.COMM_WORLD.Get_rank()
     value = fn(*json.loads(args))
     print("RESULT " + json.dumps({"rank": rank, "value": value}), flush=True)
-    if kind == "torch":
+    if kind == "torch" and dist.is_initialized():     # unless ``fn`` ended it itself
         from gradcomm.integrations.ddp.lifecycle import end_process_group
 
         # no teardown while a peer still talks (gloo aborts), and not after a barrier

@@ -35,7 +35,7 @@ from datetime import timedelta
 from typing import Any, Sequence
 
 from .. import arrays
-from . import background
+from . import background, torch_teardown
 from ..errors import ConfigError, DeadlineError, TransportError, UnsupportedError
 from .base import DEFAULT_TIMEOUT, NETWORK_MAX_CHUNK, Request, Transport
 
@@ -93,6 +93,7 @@ class TorchTransport(Transport):
                               "(dist.init_process_group)")
         if group is None:
             group = dist.group.WORLD
+        torch_teardown.install()            # the group is let go of when destroyed
         rank = dist.get_rank(group)
         if rank < 0:
             raise ConfigError("this process is not a member of the given process group")

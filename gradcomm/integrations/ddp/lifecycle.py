@@ -7,10 +7,10 @@ worker still inside a gloo call or a process group destroyed after Python stoppe
 abort the process at exit ("terminate called without an active exception"). Every live
 state is :func:`register`-ed here; the first registration installs two triggers that
 close them first: an ``atexit`` handler (registered after torch's, so it runs before them)
-and a wrapper around ``torch.distributed.destroy_process_group`` that closes the states
-using the group being destroyed (every state on a torch group, for the default group or
-``None``) before torch destroys it. The wrapper is installed once, keeps the original's signature and
-docstring (``functools.wraps``) and calls it with the same arguments.
+and a callback of the wrapped ``torch.distributed.destroy_process_group``
+(:mod:`gradcomm.comm.torch_teardown`) that closes the states using the group being
+destroyed (every state on a torch group, for the default group or ``None``) before torch
+destroys it.
 
 Example:
     >>> class Thing:
@@ -27,7 +27,6 @@ Example:
 from __future__ import annotations
 
 import atexit
-import functools
 import sys
 import threading
 import weakref
@@ -36,8 +35,6 @@ from typing import Any
 _LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
 _LOCK = threading.Lock()
 _installed = False
-#: torch's own destroy_process_group, once wrapped
-_original: Any = None
 
 
 def register(state: Any) -> None:
@@ -72,10 +69,11 @@ def close_using(group: Any) -> None:
 
 
 def destroy_group(group: Any) -> None:
-    """torch's own ``destroy_process_group(group)`` (no states closed: the caller is one)."""
-    import torch.distributed as dist
+    """torch's own ``destroy_process_group(group)`` (no states closed: the caller is one),
+    then the group let go of (:func:`gradcomm.comm.torch_teardown.released`)."""
+    from ...comm import torch_teardown
 
-    (_original or dist.destroy_process_group)(group)
+    torch_teardown.destroy_group(group)
 
 
 def wait_released(*tensors: Any, timeout: float = 10.0) -> bool:
@@ -109,7 +107,9 @@ def wait_released(*tensors: Any, timeout: float = 10.0) -> bool:
 def end_process_group(timeout: float = 10.0) -> bool:
     """End a script's torch.distributed run on every rank of the default group: a
     one-element ``all_reduce`` (so no rank tears gloo down while a peer still talks to
-    it), :func:`wait_released` of its tensor, then ``destroy_process_group()``. Not a
+    it), :func:`wait_released` of its tensor, then ``destroy_process_group()``, wrapped by
+    :mod:`gradcomm.comm.torch_teardown` so the group is let go of and gloo's threads end
+    before interpreter shutdown where nothing else holds the group. Not a
     barrier: a barrier's work keeps the works still running when it started alive in
     gloo's workers, and their tensors may then be freed during interpreter shutdown
     (the abort :func:`wait_released` describes). Returns what :func:`wait_released`
@@ -126,6 +126,9 @@ def end_process_group(timeout: float = 10.0) -> bool:
     import torch
     import torch.distributed as dist
 
+    from ...comm import torch_teardown
+
+    torch_teardown.install()
     last = torch.zeros(1)
     dist.all_reduce(last)
     try:
@@ -135,7 +138,7 @@ def end_process_group(timeout: float = 10.0) -> bool:
 
 
 def _install() -> None:
-    global _installed, _original
+    global _installed
     with _LOCK:
         if _installed:
             return
@@ -144,19 +147,9 @@ def _install() -> None:
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available():
         return                              # a state over MPI or threads: atexit suffices
-    from torch.distributed import distributed_c10d as c10d
+    from ...comm import torch_teardown
 
-    original = c10d.destroy_process_group
-
-    @functools.wraps(original)
-    def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
-        group = args[0] if args else kwargs.get("group")
-        close_using(None if group is None or group is dist.group.WORLD else group)
-        return original(*args, **kwargs)
-
-    _original = original
-    c10d.destroy_process_group = destroy_process_group
-    dist.destroy_process_group = destroy_process_group
+    torch_teardown.before_destroy(close_using)
 
 
 __all__ = ["close_all", "close_using", "destroy_group", "end_process_group", "forget", "register",

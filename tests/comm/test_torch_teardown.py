@@ -91,3 +91,29 @@ def test_a_model_freed_only_by_the_collector_lets_gloo_end_before_shutdown() -> 
         assert r["total"] == [0.0, 2.0, 4.0]
         assert _gloo(r["before"]) and _gloo(r["after"]), r     # the model held the group
         assert not _gloo(end["threads"]), end
+
+
+def _destroy_a_subgroup() -> dict:
+    """Transports over a subgroup and over the default group; the subgroup destroyed:
+    only what names the subgroup is let go of."""
+    import torch.distributed as dist
+    import torch.distributed.nn.functional as functional
+
+    from gradcomm.comm import _CACHE, get_transport
+
+    world = dist.group.WORLD
+    functional.broadcast.__defaults__ = (world,)    # as if imported after init
+    sub = dist.new_group([0, 1])
+    get_transport(sub), get_transport(None)
+    before = [c is sub for c, _ in _CACHE.values()], [c is world for c, _ in _CACHE.values()]
+    dist.destroy_process_group(sub)
+    after = [c is sub for c, _ in _CACHE.values()], [c is world for c, _ in _CACHE.values()]
+    return {"before": [any(b) for b in before], "after": [any(a) for a in after],
+            "default_kept": functional.broadcast.__defaults__[0] is world}
+
+
+@pytest.mark.timeout(120)
+def test_destroying_a_subgroup_lets_go_of_that_group_only() -> None:
+    require_torch()
+    for r in torch_call(_destroy_a_subgroup, 2, timeout=100):
+        assert r == {"before": [True, True], "after": [False, True], "default_kept": True}

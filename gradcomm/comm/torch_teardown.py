@@ -26,6 +26,9 @@ group, and :func:`released` runs:
 - it drops cached transports over the group;
 - it sets the defaults of torch.distributed's functions that name the group to None,
   which torch reads as the default group;
+- it clears torch's native DTensor sharding cache. Each entry keeps a device mesh, and
+  the mesh keeps its groups: a ``torch.nn.Parameter`` of a DTensor, as ``fully_shard``
+  makes, leaves one;
 - it collects garbage, so the group's own destructor joins its threads.
 
 Example (one process, a one-rank gloo group):
@@ -127,6 +130,14 @@ def released(group: Any) -> None:
             if type(fn) is types.FunctionType and fn.__defaults__ and any(
                     stale(v) for v in fn.__defaults__):
                 fn.__defaults__ = tuple(None if stale(v) else v for v in fn.__defaults__)
+    if "torch.distributed.tensor" in sys.modules:
+        import torch
+
+        # torch's native DTensor sharding cache keeps the device meshes of its entries, and
+        # with them their groups; it is torch's private API, absent from some versions
+        clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+        if clear is not None:
+            clear()
     gc.collect()
 
 

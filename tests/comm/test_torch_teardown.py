@@ -117,3 +117,34 @@ def test_destroying_a_subgroup_lets_go_of_that_group_only() -> None:
     require_torch()
     for r in torch_call(_destroy_a_subgroup, 2, timeout=100):
         assert r == {"before": [True, True], "after": [False, True], "default_kept": True}
+
+
+def _destroyed_after_fully_shard() -> dict:
+    """One training step of a ``fully_shard``-ed model on a cpu mesh, the model freed,
+    then the group destroyed. ``fully_shard`` makes its parameters
+    ``torch.nn.Parameter``s of DTensors, which leave their device mesh, and the mesh's
+    group, in torch's native DTensor sharding cache. Ended as gradcomm's scripts end
+    (``end_process_group``), since no gradcomm transport was made."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from gradcomm.integrations.ddp.lifecycle import end_process_group
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model(torch.ones(3, 4)).sum().backward()
+    before = _threads()
+    del model, mesh
+    end_process_group()
+    return {"before": before, "after": _threads()}
+
+
+@pytest.mark.timeout(120)
+def test_gloo_threads_end_after_fully_shard() -> None:
+    require_torch()
+    for r in torch_call(_destroyed_after_fully_shard, 2, timeout=100):
+        assert _gloo(r["before"]) and not _gloo(r["after"]), r

@@ -26,9 +26,10 @@ group, and :func:`released` runs:
 - it drops cached transports over the group;
 - it sets the defaults of torch.distributed's functions that name the group to None,
   which torch reads as the default group;
-- it clears torch's native DTensor sharding cache. Each entry keeps a device mesh, and
-  the mesh keeps its groups: a ``torch.nn.Parameter`` of a DTensor, as ``fully_shard``
-  makes, leaves one;
+- it clears torch's DTensor caches, whose entries keep a device mesh and so its groups:
+  the native sharding cache (a ``torch.nn.Parameter`` of a DTensor, as ``fully_shard``
+  makes, leaves an entry), the redistribution planners and the ``lru_cache``s of
+  ``torch.distributed.tensor`` (an optimizer's step on DTensors leaves entries there);
 - it collects garbage, so the group's own destructor joins its threads.
 
 Example (one process, a one-rank gloo group):
@@ -131,14 +132,34 @@ def released(group: Any) -> None:
                     stale(v) for v in fn.__defaults__):
                 fn.__defaults__ = tuple(None if stale(v) else v for v in fn.__defaults__)
     if "torch.distributed.tensor" in sys.modules:
-        import torch
-
-        # torch's native DTensor sharding cache keeps the device meshes of its entries, and
-        # with them their groups; it is torch's private API, absent from some versions
-        clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
-        if clear is not None:
-            clear()
+        _clear_dtensor_caches()
     gc.collect()
+
+
+def _clear_dtensor_caches() -> None:
+    """Empty torch's DTensor caches: their entries keep device meshes, and with them the
+    meshes' groups. They are the native sharding cache, the redistribution planners and
+    every ``functools.lru_cache`` of ``torch.distributed.tensor``'s modules and classes,
+    such as ``MeshTopoInfo.build_from_mesh``. These are torch's private API: what a
+    version lacks is skipped."""
+    import torch
+
+    clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    planners = getattr(sys.modules.get("torch.distributed.tensor._redistribute"),
+                       "clear_redistribute_planner_cache", None)
+    for fn in (clear, planners):
+        if fn is not None:
+            fn()
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith("torch.distributed.tensor"):
+            continue
+        for value in list(vars(module).values()):
+            inner = list(vars(value).values()) if isinstance(value, type) else []
+            for f in (value, *inner):
+                if isinstance(f, (staticmethod, classmethod)):
+                    f = f.__func__
+                if isinstance(f, functools._lru_cache_wrapper):
+                    f.cache_clear()
 
 
 __all__ = ["before_destroy", "destroy_group", "install", "released"]

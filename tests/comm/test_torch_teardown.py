@@ -120,10 +120,11 @@ def test_destroying_a_subgroup_lets_go_of_that_group_only() -> None:
 
 
 def _destroyed_after_fully_shard() -> dict:
-    """One training step of a ``fully_shard``-ed model on a cpu mesh, the model freed,
-    then the group destroyed. ``fully_shard`` makes its parameters
+    """Two steps of a ``fully_shard``-ed model with momentum SGD on a cpu mesh, the model
+    freed, then the group destroyed. ``fully_shard`` makes its parameters
     ``torch.nn.Parameter``s of DTensors, which leave their device mesh, and the mesh's
-    group, in torch's native DTensor sharding cache. Ended as gradcomm's scripts end
+    group, in torch's native DTensor sharding cache; the optimizer's steps leave it in
+    the redistribution planners and in ``MeshTopoInfo.build_from_mesh``'s cache. Ended as gradcomm's scripts end
     (``end_process_group``), since no gradcomm transport was made."""
     import torch
     import torch.distributed as dist
@@ -136,9 +137,12 @@ def _destroyed_after_fully_shard() -> dict:
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     fully_shard(model[0], mesh=mesh)
     fully_shard(model, mesh=mesh)
-    model(torch.ones(3, 4)).sum().backward()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(2):
+        model(torch.ones(3, 4)).sum().backward()
+        opt.step()
     before = _threads()
-    del model, mesh
+    del model, mesh, opt
     end_process_group()
     return {"before": before, "after": _threads()}
 

@@ -215,11 +215,23 @@ def side_group(group: Any, cache: dict[tuple[int, ...], Any]) -> Any:
     does for its separate reduce-scatter group)."""
     import torch.distributed as dist
 
+    from ...comm import torch_teardown
+
     ranks = tuple(dist.get_process_group_ranks(group))
     if ranks not in cache:
         cache[ranks] = dist.new_group(list(ranks), backend="gloo",
                                       use_local_synchronization=True)
+        torch_teardown.before_destroy(forget_sides)
     return cache[ranks]
+
+
+def forget_sides(group: Any) -> None:
+    """Drop the side groups ``group`` is (None: all of them), as torch destroys it, so
+    that nothing here keeps a destroyed group, and its gloo threads, alive."""
+    for cache in (_SIDES, _GATHER_SIDES):
+        for ranks, side in list(cache.items()):
+            if group is None or side is group:
+                del cache[ranks]
 
 
 def __getattr__(name: str) -> Any:

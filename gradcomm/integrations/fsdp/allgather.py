@@ -78,9 +78,17 @@ class _Worker:
         self.jobs.put((job, done))
         return done
 
+    def close(self) -> None:
+        """End the thread after the jobs already submitted (its frame keeps the last
+        job, whose closure holds the transport and its group)."""
+        self.jobs.put(None)
+
     def _loop(self) -> None:
         while True:
-            job, done = self.jobs.get()
+            item = self.jobs.get()
+            if item is None:
+                return
+            job, done = item
             try:
                 done.set_result(job())
             except BaseException as exc:    # handed to wait() on the caller's thread
@@ -183,11 +191,28 @@ _LOCK = threading.Lock()
 
 
 def _worker(t: Any) -> _Worker:
+    from ...comm import torch_teardown
+
     with _LOCK:
         got = _WORKERS.get(id(t))
         if got is None or got[0] is not t:
             got = _WORKERS[id(t)] = (t, _Worker())
-        return got[1]
+    torch_teardown.before_destroy(_forget)
+    return got[1]
+
+
+def _forget(group: Any) -> None:
+    """End the workers of the transports over torch group ``group`` (None: over any),
+    as torch destroys it, so that nothing here keeps a destroyed group, and its gloo
+    threads, alive."""
+    from ...comm.torch_dist import TorchTransport
+
+    with _LOCK:
+        gone = [key for key, (t, _) in _WORKERS.items() if isinstance(t, TorchTransport)
+                and (group is None or t.group is group)]
+        workers = [_WORKERS.pop(key)[1] for key in gone]
+    for worker in workers:
+        worker.close()
 
 
 __all__ = ["PARAM_DTYPES", "PendingGather", "QuantizedAllGather", "WEIGHT_CODECS"]

@@ -95,3 +95,48 @@ def test_example_trains_and_exits_cleanly(tmp_path: Path) -> None:
                    "bfloat16", "--checkpoint", tmp_path / "ef.pt", timeout=100)
     result = run.results(1)[0]
     assert result["accuracy"] > 0.85 and result["bytes_sent"] > 0, result
+
+
+def _ends_after_compress_fsdp(weights: bool) -> dict:
+    """A ``compress_fsdp`` model (its side groups made: reduce-scatter and, with
+    ``weights``, the quantized weight all-gather) takes two steps, then the run ends
+    (``end_process_group``) while the model is still alive."""
+    import gc
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from gradcomm.integrations import fsdp
+    from gradcomm.integrations.ddp.lifecycle import end_process_group
+
+    def gloo() -> list[str]:
+        return [n for n in (open(f"/proc/self/task/{t}/comm").read().strip()
+                            for t in os.listdir("/proc/self/task")) if "gloo" in n]
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    fsdp.compress_fsdp(model, "int8", seed=0, weights="int8" if weights else None)
+    for _ in range(2):
+        model(torch.ones(3, 4)).sum().backward()
+    sides = len(fsdp._SIDES) + len(fsdp._GATHER_SIDES)
+    end_process_group()
+    left = len(fsdp._SIDES) + len(fsdp._GATHER_SIDES)
+    del model, mesh
+    gc.collect()                    # as gradcomm's exit handler does (comm/torch_teardown.py)
+    return {"sides": sides, "left": left, "gloo": gloo()}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("weights", [False, True])
+def test_side_groups_are_let_go_of_when_the_run_ends(weights: bool) -> None:
+    """Destroying the default group drops compress_fsdp's side groups from their caches,
+    so once the model is freed no gloo thread is left (as without compress_fsdp)."""
+    from tests._launch import torch_call
+
+    for r in torch_call(_ends_after_compress_fsdp, 2, weights, timeout=100):
+        assert r["sides"] == (2 if weights else 1) and r["left"] == 0, r
+        assert r["gloo"] == [], r

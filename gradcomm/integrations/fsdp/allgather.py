@@ -195,9 +195,11 @@ def _worker(t: Any) -> _Worker:
 
     with _LOCK:
         got = _WORKERS.get(id(t))
-        if got is None or got[0] is not t:
+        made = got is None or got[0] is not t
+        if made:
             got = _WORKERS[id(t)] = (t, _Worker())
-    torch_teardown.before_destroy(_forget)
+    if made:
+        torch_teardown.before_destroy(_forget)
     return got[1]
 
 

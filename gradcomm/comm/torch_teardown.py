@@ -124,9 +124,7 @@ def released(group: Any) -> None:
     for key, (comm, _) in list(_CACHE.items()):
         if stale(comm):
             del _CACHE[key]
-    for name, module in list(sys.modules.items()):
-        if module is None or not name.startswith("torch.distributed"):
-            continue
+    for module in _loaded("torch.distributed"):
         for fn in list(vars(module).values()):
             if type(fn) is types.FunctionType and fn.__defaults__ and any(
                     stale(v) for v in fn.__defaults__):
@@ -134,6 +132,12 @@ def released(group: Any) -> None:
     if "torch.distributed.tensor" in sys.modules:
         _clear_dtensor_caches()
     gc.collect()
+
+
+def _loaded(prefix: str) -> list[types.ModuleType]:
+    """The modules loaded whose names start with ``prefix``."""
+    return [module for name, module in list(sys.modules.items())
+            if module is not None and name.startswith(prefix)]
 
 
 def _clear_dtensor_caches() -> None:
@@ -150,9 +154,7 @@ def _clear_dtensor_caches() -> None:
     for fn in (clear, planners):
         if fn is not None:
             fn()
-    for name, module in list(sys.modules.items()):
-        if module is None or not name.startswith("torch.distributed.tensor"):
-            continue
+    for module in _loaded("torch.distributed.tensor"):
         for value in list(vars(module).values()):
             inner = list(vars(value).values()) if isinstance(value, type) else []
             for f in (value, *inner):

@@ -191,14 +191,14 @@ _LOCK = threading.Lock()
 
 
 def _worker(t: Any) -> _Worker:
-    from ...comm import torch_teardown
-
     with _LOCK:
         got = _WORKERS.get(id(t))
         made = got is None or got[0] is not t
         if made:
             got = _WORKERS[id(t)] = (t, _Worker())
     if made:
+        from ...comm import torch_teardown
+
         torch_teardown.before_destroy(_forget)
     return got[1]
 

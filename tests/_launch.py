@@ -56,6 +56,14 @@ def have_torch() -> bool:
     return importlib.util.find_spec("torch") is not None
 
 
+def gloo_threads() -> list[str]:
+    """The names of this process's gloo and TCPStore threads (from /proc), sorted: what
+    a process group leaves running until it is freed."""
+    names = (open(f"/proc/self/task/{t}/comm").read().strip()
+             for t in os.listdir("/proc/self/task"))
+    return sorted(n for n in names if "gloo" in n or "tcpstore" in n)
+
+
 def require_mpi() -> None:
     """Skip the calling test unless mpirun and mpi4py are installed at all."""
     if not have_mpi():

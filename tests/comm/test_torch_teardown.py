@@ -10,20 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from tests._launch import require_torch, torch_call, torchrun
+from tests._launch import gloo_threads, require_torch, torch_call, torchrun
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "teardown_exit.py"
-
-
-def _gloo(threads: list[str]) -> list[str]:
-    return [n for n in threads if "gloo" in n or "tcpstore" in n]
-
-
-def _threads() -> list[str]:
-    import os
-
-    return sorted(open(f"/proc/self/task/{t}/comm").read().strip()
-                  for t in os.listdir("/proc/self/task"))
 
 
 def _destroyed_after_ddp_and_a_cached_transport(how: str) -> dict:
@@ -32,7 +21,8 @@ def _destroyed_after_ddp_and_a_cached_transport(how: str) -> dict:
     ``gradcomm.allreduce`` over the default group (a cached transport). The model is left
     in a reference cycle, as a trainer object often holds it, so only the garbage
     collector frees it (switched off here, so that no automatic collection runs before
-    the group ends). Then the group is ended ``how``: 'end' (end_process_group) or 'destroy' (destroy_process_group)."""
+    the group ends). Then the group is ended ``how``: 'end' (end_process_group) or
+    'destroy' (destroy_process_group)."""
     import gc
     import sys
 
@@ -48,7 +38,7 @@ def _destroyed_after_ddp_and_a_cached_transport(how: str) -> dict:
     total = gradcomm.allreduce(np.arange(5.0) + dist.get_rank())
     functional = sys.modules["torch.distributed.nn.functional"]
     held = functional.broadcast.__defaults__[0] is dist.group.WORLD
-    before = _threads()
+    before = gloo_threads()
     gc.disable()
     trainer: list = [model]
     trainer.append(trainer)
@@ -57,7 +47,7 @@ def _destroyed_after_ddp_and_a_cached_transport(how: str) -> dict:
         end_process_group()
     else:
         dist.destroy_process_group()
-    after = _threads()
+    after = gloo_threads()
     gc.enable()
     return {"held": held, "before": before, "after": after, "total": total.tolist(),
             "defaults": repr(functional.broadcast.__defaults__)}
@@ -73,7 +63,7 @@ def test_gloo_threads_end_when_the_group_is_destroyed(how: str) -> None:
         # the two references this module drops were there (torch's default argument)
         assert r["held"], "torch.distributed.nn.functional no longer keeps the group"
         assert "pt_gloo_runloop" in r["before"], r["before"]
-        assert not _gloo(r["after"]), r["after"]
+        assert not r["after"], r["after"]
         assert r["defaults"] == "(None,)"
 
 
@@ -89,8 +79,8 @@ def test_a_model_freed_only_by_the_collector_lets_gloo_end_before_shutdown() -> 
     assert [r["rank"] for r in at_exit] == [0, 1], run.describe()
     for r, end in zip(run.results(2), at_exit):
         assert r["total"] == [0.0, 2.0, 4.0]
-        assert _gloo(r["before"]) and _gloo(r["after"]), r     # the model held the group
-        assert not _gloo(end["threads"]), end
+        assert r["before"] and r["after"], r     # the model held the group
+        assert not end["threads"], end
 
 
 def _destroy_a_subgroup() -> dict:
@@ -124,8 +114,9 @@ def _destroyed_after_fully_shard() -> dict:
     freed, then the group destroyed. ``fully_shard`` makes its parameters
     ``torch.nn.Parameter``s of DTensors, which leave their device mesh, and the mesh's
     group, in torch's native DTensor sharding cache; the optimizer's steps leave it in
-    the redistribution planners and in ``MeshTopoInfo.build_from_mesh``'s cache. Ended as gradcomm's scripts end
-    (``end_process_group``), since no gradcomm transport was made."""
+    the redistribution planners and in ``MeshTopoInfo.build_from_mesh``'s cache. Ended
+    as gradcomm's scripts end (``end_process_group``), since no gradcomm transport was
+    made."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -141,14 +132,14 @@ def _destroyed_after_fully_shard() -> dict:
     for _ in range(2):
         model(torch.ones(3, 4)).sum().backward()
         opt.step()
-    before = _threads()
+    before = gloo_threads()
     del model, mesh, opt
     end_process_group()
-    return {"before": before, "after": _threads()}
+    return {"before": before, "after": gloo_threads()}
 
 
 @pytest.mark.timeout(120)
 def test_gloo_threads_end_after_fully_shard() -> None:
     require_torch()
     for r in torch_call(_destroyed_after_fully_shard, 2, timeout=100):
-        assert _gloo(r["before"]) and not _gloo(r["after"]), r
+        assert r["before"] and not r["after"], r

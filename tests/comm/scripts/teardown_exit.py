@@ -13,15 +13,12 @@ import gc
 import json
 import os
 
-
-def _threads() -> list[str]:
-    return sorted(open(f"/proc/self/task/{t}/comm").read().strip()
-                  for t in os.listdir("/proc/self/task"))
+from tests._launch import gloo_threads
 
 
 def _at_exit() -> None:
     # registered before gradcomm's handlers, so it runs after them
-    print("AT_EXIT " + json.dumps({"rank": int(os.environ["RANK"]), "threads": _threads()}),
+    print("AT_EXIT " + json.dumps({"rank": int(os.environ["RANK"]), "threads": gloo_threads()}),
           flush=True)
 
 
@@ -40,11 +37,11 @@ def main() -> None:
     trainer: list = [model]
     trainer.append(trainer)         # the model is freed by the garbage collector only
     total = gradcomm.allreduce(np.arange(3.0))
-    before = _threads()
+    before = gloo_threads()
     rank = dist.get_rank()
     end_process_group()             # the model still holds the group here
     print("RESULT " + json.dumps({"rank": rank, "total": total.tolist(),
-                                  "before": before, "after": _threads()}), flush=True)
+                                  "before": before, "after": gloo_threads()}), flush=True)
 
 
 if __name__ == "__main__":

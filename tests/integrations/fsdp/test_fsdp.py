@@ -102,7 +102,6 @@ def _ends_after_compress_fsdp(weights: bool) -> dict:
     ``weights``, the quantized weight all-gather) takes two steps, then the run ends
     (``end_process_group``) while the model is still alive."""
     import gc
-    import os
 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -110,10 +109,7 @@ def _ends_after_compress_fsdp(weights: bool) -> dict:
 
     from gradcomm.integrations import fsdp
     from gradcomm.integrations.ddp.lifecycle import end_process_group
-
-    def gloo() -> list[str]:
-        return [n for n in (open(f"/proc/self/task/{t}/comm").read().strip()
-                            for t in os.listdir("/proc/self/task")) if "gloo" in n]
+    from tests._launch import gloo_threads
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
@@ -127,7 +123,7 @@ def _ends_after_compress_fsdp(weights: bool) -> dict:
     left = len(fsdp._SIDES) + len(fsdp._GATHER_SIDES)
     del model, mesh
     gc.collect()                    # as gradcomm's exit handler does (comm/torch_teardown.py)
-    return {"sides": sides, "left": left, "gloo": gloo()}
+    return {"sides": sides, "left": left, "gloo": gloo_threads()}
 
 
 @pytest.mark.timeout(120)
